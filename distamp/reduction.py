@@ -1,0 +1,124 @@
+"""Rank-wide agreement on found_inf: choosing the group and reducing every flag in ONE collective.
+
+The skip decision is only safe if every rank takes it from the same number. This module owns the
+two questions behind that number: *which ranks* must agree (the default group, an explicit
+``ProcessGroup``, or the ``DeviceMesh`` that FSDP2's DTensor parameters live on), and *how* their
+flags are combined (packed into one tensor, reduced with MAX — never SUM, because fused optimizers
+skip only when found_inf is exactly 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["FlagReducer", "GroupSpec", "resolve_group"]
+
+GroupSpec = Any  # ProcessGroup | DeviceMesh | None; torch types kept loose for older releases
+
+
+def _device_mesh_type() -> type | None:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return None
+    return DeviceMesh
+
+
+@dataclass(frozen=True)
+class FlagReducer:
+    """A resolved reduction target: zero, one or (for a partial N-D mesh) several groups.
+
+    ``groups`` is empty when there is nothing to agree with (no process group, world of one).
+    A partial N-D mesh is reduced dimension by dimension: MAX is associative, so the result is the
+    mesh-wide maximum; it is the only case that costs more than one collective.
+    """
+
+    groups: tuple[Any, ...]
+    backend: str | None
+
+    @property
+    def is_noop(self) -> bool:
+        return not self.groups
+
+    def device_for(self, preferred: torch.device) -> torch.device:
+        """The device the packed flags must live on for this backend."""
+        if self.backend == "nccl" and preferred.type != "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return preferred
+
+    def all_reduce_max_(self, flags: torch.Tensor) -> None:
+        """MAX-reduce ``flags`` in place across the group (asynchronous on CUDA: no host sync)."""
+        for group in self.groups:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+
+
+def _from_mesh(mesh: Any) -> FlagReducer:
+    world = dist.get_world_size()
+    if mesh.size() == 1:
+        return FlagReducer((), None)
+    if mesh.size() == world:
+        # The mesh spans every rank: the default group reaches exactly the same ranks with one call.
+        return FlagReducer((dist.group.WORLD,), dist.get_backend())
+    if mesh.ndim == 1:
+        group = mesh.get_group()
+        return FlagReducer((group,), dist.get_backend(group))
+    groups = tuple(mesh.get_group(d) for d in range(mesh.ndim))
+    return FlagReducer(groups, dist.get_backend(groups[0]))
+
+
+def resolve_group(process_group: GroupSpec, params: Iterable[torch.Tensor]) -> FlagReducer:
+    """Pick the ranks whose flags must agree for an optimizer over ``params``.
+
+    Args:
+        process_group: the scaler's ``process_group`` argument: a ``ProcessGroup``, a
+            ``DeviceMesh``, or ``None`` for automatic choice.
+        params: the optimizer's parameters. Parameters (not gradients) are inspected because a rank
+            with an empty shard has no gradient yet must choose the same group as its peers.
+
+    Returns:
+        A :class:`FlagReducer`. With ``process_group=None``: the mesh of FSDP2's DTensor
+        parameters if there are any, else the default group; a no-op when torch.distributed is not
+        initialized or the world has one rank.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return FlagReducer((), None)
+    mesh_type = _device_mesh_type()
+    if process_group is not None:
+        if mesh_type is not None and isinstance(process_group, mesh_type):
+            return _from_mesh(process_group)
+        if dist.get_world_size(process_group) == 1:
+            return FlagReducer((), None)
+        return FlagReducer((process_group,), dist.get_backend(process_group))
+    # DTensor parameters (FSDP2) carry their mesh.
+    meshes = {id(m): m for p in params if (m := getattr(p, "device_mesh", None)) is not None}
+    if len(meshes) == 1:
+        return _from_mesh(next(iter(meshes.values())))
+    # Several meshes (or none): the default group is a superset of all of them, hence correct.
+    if dist.get_world_size() == 1:
+        return FlagReducer((), None)
+    return FlagReducer((dist.group.WORLD,), dist.get_backend())
+
+
+def reduce_flags(reducer: FlagReducer, flags: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """MAX-reduce several 0-dim float32 flags across ranks with a single collective.
+
+    The flags are packed into one tensor in a fixed order (the caller's), so every rank issues the
+    same collective with the same shape whatever devices or dtypes its gradients had.
+
+    Returns:
+        One 0-dim float32 tensor per input flag, on that flag's device, holding the group maximum.
+    """
+    if not flags:
+        return []
+    if reducer.is_noop:
+        return list(flags)
+    home = flags[0].device
+    device = reducer.device_for(home)
+    packed = torch.stack([f.to(device, non_blocking=True) for f in flags])
+    reducer.all_reduce_max_(packed)
+    return [packed[i].to(f.device, non_blocking=True) for i, f in enumerate(flags)]

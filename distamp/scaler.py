@@ -1,0 +1,536 @@
+"""DistributedGradScaler: torch.amp.GradScaler whose skip decision is identical on every rank.
+
+torch's scalers decide "skip this step?" from each rank's own gradients. Under FSDP (sharded
+gradients), with fused optimizers, or with parameters DDP does not synchronise, one rank can see an
+inf that another does not: one rank skips and backs off, the other steps, and the replicas diverge
+silently. This scaler keeps torch's state machine (READY -> UNSCALED -> STEPPED -> update) and
+changes one thing: before any decision is taken, every pending found_inf flag of the step is packed
+into one tensor and MAX-reduced over the right group (:mod:`distamp.reduction`). Everything after
+that (optimizer gating, scale update) then runs on identical numbers on every rank.
+
+Beyond torch it adds hysteresis, min/max scale, skip reporting without host syncs, and a
+``state_dict`` that carries all of it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from distamp import reduction
+from distamp.kernels import unscale_and_check_
+from distamp.scale_update import ScaleRule, update_scale_
+from distamp.scaler_config import check_device, check_scaler_args, validate_state_dict
+
+__all__ = ["DistributedGradScaler", "ScaleUnderflowError", "ScalerStateError"]
+
+
+class ScaleUnderflowError(RuntimeError):
+    """The loss scale hit ``min_scale`` and the gradients still overflow."""
+
+
+class ScalerStateError(RuntimeError, AssertionError):
+    """A scaler method was called out of order.
+
+    Subclasses ``AssertionError`` too, because torch's GradScaler raises that type for the same
+    misuse (e.g. ``step()`` before ``scale()``) and drop-in code may catch it.
+    """
+
+
+def _refresh_state() -> dict[str, Any]:
+    # "found_inf": the rank-agreed flag once reduced; "pending": local flags not yet reduced.
+    return {"stage": OptState.READY, "found_inf_per_device": {}, "found_inf": None}
+
+
+class DistributedGradScaler(torch.amp.GradScaler):
+    """Drop-in for :class:`torch.amp.GradScaler` that never lets ranks disagree on a skip.
+
+    Args:
+        device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in
+            :class:`torch.amp.GradScaler`, with the same defaults.
+        hysteresis: overflows tolerated before backing off. The counter drops by one per overflow
+            and the scale backs off once it reaches zero (and on every further overflow); it is
+            refilled only when the scale grows (Megatron-LM's rule). ``1`` is torch's behaviour.
+        min_scale: floor of the scale. An overflow while the scale is already at the floor raises
+            :class:`ScaleUnderflowError` (checking this costs one host sync per ``update``, so it is
+            off by default).
+        max_scale: ceiling of the scale (growth stops there). ``None``: no ceiling.
+        process_group: the ranks that must agree: a ``ProcessGroup`` or a ``DeviceMesh``. ``None``
+            chooses the mesh of FSDP2 (DTensor) parameters or the default group.
+        sync_free: ``step()`` never waits for the device: the skip is decided on device, through
+            the optimizer's ``found_inf`` argument (fused optimizers) or a masked update.
+
+    Collectives: one per ``step`` call that has unreduced flags (explicitly unscaled optimizers are
+    reduced together in that one call); zero when no process group is initialized, and zero for an
+    optimizer whose parameters are all synchronised by a DDP module passed to
+    :meth:`register_module` (its all-reduce already spread any inf to every rank).
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = 2.0**24,
+        process_group: reduction.GroupSpec = None,
+        sync_free: bool = False,
+    ) -> None:
+        device = check_device(device)
+        check_scaler_args(
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            enabled=enabled,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            sync_free=sync_free,
+        )
+        super().__init__(
+            device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
+        )
+        self._per_optimizer_states = defaultdict(_refresh_state)
+        self._hysteresis = int(hysteresis)
+        self._min_scale = None if min_scale is None else float(min_scale)
+        self._max_scale = None if max_scale is None else float(max_scale)
+        self._process_group = process_group
+        self._sync_free = sync_free
+        self._init_hysteresis_tracker = self._hysteresis
+        self._init_skipped_steps = 0
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._skipped: torch.Tensor | None = None
+        self._last_skipped: torch.Tensor | None = None
+        self._underflow: torch.Tensor | None = None
+        self._reducers: dict[int, reduction.FlagReducer] = {}
+        self._ddp_param_ids: set[int] = set()
+        self._ddp_synced_forward = False
+        self._param_names: dict[int, str] = {}
+        self.collectives_issued = 0  # how many found_inf collectives this scaler issued
+
+    # ------------------------------------------------------------------ lazily created state
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._hysteresis_tracker = torch.full(
+            (), self._init_hysteresis_tracker, dtype=torch.int32, device=dev
+        )
+        self._skipped = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=dev)
+        self._last_skipped = torch.zeros((), dtype=torch.bool, device=dev)
+        self._underflow = torch.zeros((), dtype=torch.bool, device=dev)
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._scale is None or self._growth_tracker is None:
+            raise ScalerStateError(
+                f"{funcname}() was called before scale(): call `scaler.scale(loss).backward()` "
+                "first in every iteration, then unscale_/step/update."
+            )
+        return self._scale, self._growth_tracker
+
+    # ------------------------------------------------------------------ module registration
+    def register_module(self, module: torch.nn.Module) -> None:
+        """Tell the scaler about the model, for parameter names and DDP's guarantee.
+
+        For a ``DistributedDataParallel`` module, an optimizer whose parameters are all synchronised
+        by it needs no extra collective: DDP's all-reduce already carried any inf/NaN to every rank.
+        The guarantee is re-checked every step: if the last forward ran under ``no_sync()`` (or a
+        parameter is not synchronised by DDP), the flags are reduced as usual.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        for name, p in inner.named_parameters():
+            self._param_names[id(p)] = name
+        if not isinstance(module, DistributedDataParallel):
+            return
+        ignored = set(getattr(module, "parameters_to_ignore", ()))
+        self._ddp_param_ids |= {
+            id(p) for n, p in inner.named_parameters() if p.requires_grad and n not in ignored
+        }
+        ref = weakref.ref(self)
+
+        def _record_sync(mod: torch.nn.Module, _args: Any) -> None:
+            scaler = ref()
+            if scaler is not None:
+                scaler._ddp_synced_forward = bool(
+                    getattr(mod, "require_backward_grad_sync", False) and torch.is_grad_enabled()
+                )
+
+        module.register_forward_pre_hook(_record_sync)
+
+    def _ddp_covers(self, optimizer: torch.optim.Optimizer) -> bool:
+        if not (self._ddp_synced_forward and self._ddp_param_ids):
+            return False
+        return all(id(p) in self._ddp_param_ids for p in _params(optimizer))
+
+    # ------------------------------------------------------------------ unscale / check
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """Unscale (or, with ``inv_scale`` None, only check) the optimizer's local gradients.
+
+        Returns one local flag per device, always including the scale's device, so that a rank
+        whose optimizer holds no gradient (empty shard, frozen parameters) still contributes a
+        flag to the collective instead of skipping it.
+        """
+        write = inv_scale is not None
+        per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        with torch.no_grad():
+            for p in _params(optimizer):
+                grad = p.grad
+                if grad is None:
+                    continue
+                if not allow_fp16 and grad.dtype == torch.float16:
+                    raise ValueError(
+                        "Attempting to unscale FP16 gradients: the parameters themselves are fp16. "
+                        "Keep parameters in fp32 and let autocast cast them per op (or use "
+                        "precision='bf16', which needs no scaler)."
+                    )
+                if hasattr(grad, "to_local"):  # DTensor (FSDP2): each rank checks its own shard
+                    grad = grad.to_local()
+                if grad.is_sparse:
+                    if grad.dtype is torch.float16:
+                        grad = grad.coalesce()
+                        p.grad = grad
+                    grad = grad._values()
+                per_device[grad.device].append(grad)
+        flags = {found_inf.device: found_inf}
+        for device, grads in per_device.items():
+            flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
+            factor = (
+                inv_scale.to(device, non_blocking=True)
+                if write
+                else torch.ones((), dtype=torch.float32, device=device)
+            )
+            unscale_and_check_(grads, flag, factor, write=write)
+        return flags
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale, in place, and record a local flag.
+
+        Call it before anything that reads gradient values (clipping). The flag is reduced across
+        ranks lazily, in the same single collective as every other optimizer unscaled this step,
+        when ``step()`` or ``update()`` first needs it. No host sync.
+        """
+        if not self._enabled:
+            return
+        scale, _ = self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update(): "
+                "call it once per optimizer step, after the last micro-batch's backward."
+            )
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError(
+                "unscale_() is being called after step(): unscale before stepping, then call "
+                "update() to start the next iteration."
+            )
+        self._prepare(optimizer)
+        # FP32 division can be imprecise for some scales: take the reciprocal in FP64 (as torch).
+        inv_scale = (
+            scale.double().reciprocal().float()
+            if scale.device.type != "mps"
+            else scale.reciprocal()
+        )
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
+        state["found_inf"] = None
+        state["stage"] = OptState.UNSCALED
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Read-only non-finite check for fused optimizers, which unscale inside their kernel."""
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        self._prepare(optimizer)
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, None, found_inf, True)  # type: ignore[arg-type]
+        state["found_inf"] = None
+        return state["found_inf_per_device"]
+
+    # ------------------------------------------------------------------ the one collective
+    def _reduce_pending(self) -> None:
+        """Agree on every unreduced flag of this step with ONE collective.
+
+        The order of optimizers is the order in which they were unscaled, which is the same on
+        every rank in SPMD code, so the packed tensor lines up across ranks.
+        """
+        pending = [
+            (key, st)
+            for key, st in self._per_optimizer_states.items()
+            if st["found_inf_per_device"] and st["found_inf"] is None
+        ]
+        if not pending:
+            return
+        scale_device = self._scale.device if self._scale is not None else torch.device("cpu")
+        local = []
+        for _, st in pending:
+            flags = [
+                f.to(scale_device, non_blocking=True) for f in st["found_inf_per_device"].values()
+            ]
+            local.append(flags[0] if len(flags) == 1 else torch.stack(flags).amax())
+        need = [key for key, st in pending if not st.get("ddp_covered", False)]
+        reducers = {id(self._reducers[k]): self._reducers[k] for k in need}
+        if len(reducers) == 1:
+            reducer = next(iter(reducers.values()))
+        elif not reducers:
+            reducer = reduction.FlagReducer((), None)
+        else:  # optimizers on different groups: the default group is a superset of all of them
+            reducer = reduction.resolve_group(self._process_group or _world(), ())
+        if not reducer.is_noop:
+            self.collectives_issued += len(reducer.groups)
+        agreed = reduction.reduce_flags(reducer, local)
+        # Optimizers unscaled together are skipped together: whatever ran between unscale_ and
+        # step (typically one clip_grad_norm_ over all parameters) mixed their gradients, so an
+        # inf in one made the others' gradients rank-dependent (clip coefficient 0 on one rank).
+        flag = agreed[0] if len(agreed) == 1 else torch.stack(agreed).amax()
+        for _, st in pending:
+            st["found_inf"] = flag
+            st["found_inf_per_device"] = {scale_device: flag}
+
+    def _prepare(self, optimizer: torch.optim.Optimizer) -> None:
+        key = id(optimizer)
+        if key not in self._reducers:
+            self._reducers[key] = reduction.resolve_group(self._process_group, _params(optimizer))
+        self._per_optimizer_states[key]["ddp_covered"] = self._ddp_covers(optimizer)
+
+    # ------------------------------------------------------------------ step / update
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale if needed, agree on found_inf across ranks, and step unless it is set.
+
+        Returns what ``optimizer.step`` returns, or ``None`` when the step was skipped. Host
+        syncs: none for fused optimizers (they take ``found_inf`` on device) or with
+        ``sync_free=True``; otherwise one ``.item()`` on the agreed flag to decide whether to call
+        ``optimizer.step`` at all.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        scale, _ = self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError(
+                "step() has already been called since the last update(): call update() once "
+                "per iteration, after stepping every optimizer."
+            )
+        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        if fused and "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            raise TypeError(
+                f"{type(optimizer).__name__}.step takes the deprecated `grad_scaler` argument; "
+                "DistributedGradScaler passes `grad_scale`/`found_inf` attributes instead."
+            )
+        if state["stage"] is OptState.READY:
+            if fused:
+                self._check_inf_per_device(optimizer)
+            else:
+                self.unscale_(optimizer)
+        self._reduce_pending()
+        found_inf = state["found_inf"]
+        if self._last_skipped is not None:
+            self._last_skipped = found_inf > 0
+        if fused:
+            optimizer.grad_scale = None if state["stage"] is OptState.UNSCALED else scale  # type: ignore[attr-defined]
+            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            try:
+                retval = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
+        elif self._sync_free:
+            retval = _masked_step(optimizer, found_inf, args, kwargs)
+        else:
+            # Host sync (one per step): whether optimizer.step runs at all is a Python decision.
+            retval = None if found_inf.item() else optimizer.step(*args, **kwargs)
+        state["stage"] = OptState.STEPPED
+        return retval
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Update the scale on device from the agreed flags of every optimizer of this step.
+
+        Growth, backoff, hysteresis and the min/max bounds are applied without a host sync; only
+        ``min_scale`` (when set and ``sync_free`` is off) costs one sync to raise
+        :class:`ScaleUnderflowError` at the step where the floor is hit.
+        """
+        if not self._enabled:
+            return
+        scale, tracker = self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            super().update(new_scale)
+            self._per_optimizer_states = defaultdict(_refresh_state)
+            return
+        self._reduce_pending()
+        flags = [
+            st["found_inf"]
+            for st in self._per_optimizer_states.values()
+            if st["found_inf"] is not None
+        ]
+        if not flags:
+            raise ScalerStateError(
+                "update() found no inf checks for this iteration: call scaler.step(optimizer) "
+                "(or unscale_) for at least one optimizer before update()."
+            )
+        found = (
+            flags[0] if len(flags) == 1 else torch.stack([f.to(scale.device) for f in flags]).amax()
+        ) > 0
+        assert self._hysteresis_tracker is not None and self._skipped is not None
+        assert self._underflow is not None
+        self._underflow |= update_scale_(
+            self._rule(), scale, tracker, self._hysteresis_tracker, found
+        )
+        self._skipped += found.to(self._skipped.dtype)
+        self._last_skipped = found
+        self._per_optimizer_states = defaultdict(_refresh_state)
+        if self._min_scale is not None and not self._sync_free:
+            self._raise_if_underflow()  # one host sync, only when min_scale is set
+
+    def _rule(self) -> ScaleRule:
+        return ScaleRule(
+            growth_factor=self._growth_factor,
+            backoff_factor=self._backoff_factor,
+            growth_interval=self._growth_interval,
+            hysteresis=self._hysteresis,
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
+        )
+
+    def _raise_if_underflow(self) -> None:
+        # Host sync: reads the on-device underflow flag.
+        if self._underflow is not None and bool(self._underflow.item()):
+            self._underflow.zero_()
+            raise ScaleUnderflowError(
+                f"the loss scale is at min_scale={self._min_scale} and gradients still overflow. "
+                "Likely causes: NaN/inf in the inputs or the loss itself (check the batch), a "
+                "diverged model (lower the learning rate), or fp16 overflow in activations (use "
+                "precision='bf16', or keep the overflowing module in fp32 with an AutocastPolicy)."
+            )
+
+    # ------------------------------------------------------------------ reporting
+    @property
+    def last_step_skipped(self) -> torch.Tensor:
+        """0-dim bool tensor: whether the last step/update skipped (no host sync to get it)."""
+        if self._last_skipped is None:
+            return torch.zeros((), dtype=torch.bool)
+        return self._last_skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        """Number of skipped iterations since the start (synced: reads a device counter)."""
+        if not self._enabled:
+            return 0
+        if self._skipped is None:
+            return self._init_skipped_steps
+        return int(self._skipped.item())  # host sync, on request only
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (one host sync)."""
+        if self._sync_free and self._min_scale is not None:
+            self._raise_if_underflow()
+        return super().get_scale()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """torch's keys plus hysteresis, bounds and the skip counter; identical on every rank."""
+        if not self._enabled:
+            return {}
+        sd = super().state_dict()
+        sd.update(
+            hysteresis=self._hysteresis,
+            _hysteresis_tracker=(
+                self._init_hysteresis_tracker
+                if self._hysteresis_tracker is None
+                else int(self._hysteresis_tracker.item())
+            ),
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
+            skipped_steps=self.skipped_steps,
+        )
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state from this class or from ``torch.amp.GradScaler.state_dict()``.
+
+        Works before the first ``scale()``. Malformed input raises ``ValueError`` naming the key,
+        and nothing is changed.
+        """
+        if not self._enabled:
+            return
+        sd = validate_state_dict(state_dict, default_hysteresis=self._hysteresis)
+        super().load_state_dict(sd)
+        self._hysteresis = int(sd["hysteresis"])
+        self._init_hysteresis_tracker = int(sd["_hysteresis_tracker"])
+        self._init_skipped_steps = int(sd["skipped_steps"])
+        for key in ("min_scale", "max_scale"):
+            if key in state_dict:
+                setattr(self, f"_{key}", None if sd[key] is None else float(sd[key]))
+        if self._hysteresis_tracker is not None and self._skipped is not None:
+            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+            self._skipped.fill_(self._init_skipped_steps)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self._enabled:
+            state["_init_hysteresis_tracker"] = self.state_dict()["_hysteresis_tracker"]
+            state["_init_skipped_steps"] = self.skipped_steps
+            for key in ("_hysteresis_tracker", "_skipped", "_last_skipped", "_underflow"):
+                state[key] = None
+        # Process groups and module hooks do not survive pickling; they are re-resolved lazily.
+        state["_process_group"] = None
+        state["_reducers"] = {}
+        state["_ddp_param_ids"] = set()
+        state["_ddp_synced_forward"] = False
+        state["_param_names"] = {}
+        return state
+
+
+def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def _world() -> Any:
+    import torch.distributed as dist
+
+    return dist.group.WORLD
+
+
+def _masked_step(
+    optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, args: tuple, kwargs: dict
+) -> Any:
+    """Step a non-fused optimizer without a host sync, leaving everything unchanged on a skip.
+
+    Variant chosen for least memory traffic among the exact ones: snapshot the parameters and the
+    optimizer's state tensors (one read + write), step unconditionally, then select the snapshot
+    back where ``found_inf`` is set (one more read + write). Non-finite values produced by the
+    discarded update never survive the select. A step that would *create* optimizer state (the
+    first one) cannot be undone on device, so it takes one host sync instead.
+    """
+    params = [p for p in _params(optimizer) if p.grad is not None]
+    if any(not optimizer.state.get(p) for p in params):
+        # Host sync (first step only): state creation is a Python-side effect.
+        return None if found_inf.item() else optimizer.step(*args, **kwargs)
+    keep = found_inf > 0
+    tensors: list[torch.Tensor] = [p.data for p in params]
+    for p in params:
+        tensors.extend(v for v in optimizer.state[p].values() if isinstance(v, torch.Tensor))
+    with torch.no_grad():
+        snapshot = [t.clone() for t in tensors]
+        retval = optimizer.step(*args, **kwargs)
+        for t, s in zip(tensors, snapshot, strict=True):
+            t.copy_(torch.where(keep.to(t.device), s, t))
+    return retval

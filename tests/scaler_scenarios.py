@@ -1,0 +1,191 @@
+"""Training scenarios run on every rank by the distributed scaler tests.
+
+Each scenario trains a small model for a few steps with inf/NaN injected into ONE rank's local
+gradient (or shard) at chosen steps, and records per step what every rank must agree on: the skip
+decision, the scale, and a digest of the full (gathered) parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distamp import DistributedGradScaler
+
+INF = float("inf")
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    strategy: str  # "ddp" | "fsdp1" | "fsdp1_orig" | "fsdp2" | "hsdp" | "local"
+    optimizer: str = "foreach"  # "foreach" | "fused" | "forloop"
+    explicit_unscale: bool = False  # unscale_ + clip before step
+    two_optimizers: bool = False
+    register_ddp: bool = False  # scaler.register_module(ddp_model): zero-collective mode
+    inject_via_hook: bool = False  # inject before DDP's all-reduce (a real overflow's path)
+    hysteresis: int = 1
+    scaler: str = "distamp"  # "distamp" | "torch" | "sharded": torch's scalers, for comparison
+    steps: int = 6
+    # step -> (rank, value): that rank's local gradient gets ``value`` at that step
+    injections: dict[int, tuple[int, float]] = field(
+        default_factory=lambda: {1: (1, INF), 3: (0, NAN), 4: (1, INF)}
+    )
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    # The 1-row head gives FSDP an empty shard on rank 1 and, with use_orig_params, a parameter
+    # that lives on one rank only (the other's gradient is None).
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+
+
+def _wrap(sc: Scenario, model: nn.Module) -> nn.Module:
+    if sc.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model)
+    if sc.strategy in ("fsdp1", "fsdp1_orig"):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            use_orig_params=sc.strategy == "fsdp1_orig",
+            device_id=torch.device("cpu"),
+        )
+    if sc.strategy in ("fsdp2", "hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        world = dist.get_world_size()
+        if sc.strategy == "fsdp2":
+            mesh = init_device_mesh("cpu", (world,))
+        else:
+            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    return model
+
+
+def _optimizers(sc: Scenario, model: nn.Module) -> list[torch.optim.Optimizer]:
+    kw: dict[str, Any] = (
+        {"fused": True} if sc.optimizer == "fused" else {"foreach": sc.optimizer == "foreach"}
+    )
+    params = list(model.parameters())
+    if sc.two_optimizers:
+        half = len(params) // 2
+        return [
+            torch.optim.AdamW(params[:half], lr=1e-2, **kw),
+            torch.optim.Adam(params[half:], lr=1e-2, **kw),  # fused SGD has no DTensor rule
+        ]
+    return [torch.optim.AdamW(params, lr=1e-2, **kw)]
+
+
+def _full_params_digest(sc: Scenario, model: nn.Module) -> str:
+    h = hashlib.sha256()
+    if sc.strategy in ("fsdp1", "fsdp1_orig"):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model):
+            tensors = [p.detach().clone() for p in model.parameters()]
+    else:
+        tensors = [
+            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+            for p in model.parameters()
+        ]
+    for t in tensors:
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _local_grads(opts: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    out = []
+    for opt in opts:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    if g.numel():
+                        out.append(g)
+    return out
+
+
+def run_scenario(rank: int, world: int, sc: Scenario) -> dict[str, Any]:
+    """Train ``sc`` on this rank; return what every rank must agree on, per step."""
+    model = _wrap(sc, _model(seed=0))
+    opts = _optimizers(sc, model)
+    kw: dict[str, Any] = {"init_scale": 2.0**10, "growth_interval": 2}
+    scaler: Any
+    if sc.scaler == "torch":
+        scaler = torch.amp.GradScaler("cpu", **kw)
+    elif sc.scaler == "sharded":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler("cpu", **kw)
+    else:
+        scaler = DistributedGradScaler("cpu", hysteresis=sc.hysteresis, **kw)
+    if sc.register_ddp:
+        scaler.register_module(model)
+    gen = torch.Generator().manual_seed(100 + rank)
+    record: dict[str, list[Any]] = {"skipped": [], "scale": [], "params": [], "collectives": []}
+    hook_value: list[float | None] = [None]
+    first_param = next(model.parameters())
+    if sc.inject_via_hook:
+        first_param.register_hook(lambda g: g * hook_value[0] if hook_value[0] is not None else g)
+    for step in range(sc.steps):
+        target = sc.injections.get(step)
+        mine = target is not None and target[0] == rank
+        hook_value[0] = target[1] if (mine and sc.inject_via_hook) else None
+        for opt in opts:
+            opt.zero_grad()
+        x = torch.randn(4, 8, generator=gen)
+        loss = model(x).square().mean()
+        before = getattr(scaler, "collectives_issued", 0)
+        scaler.scale(loss).backward()
+        if mine and not sc.inject_via_hook:
+            _local_grads(opts)[0].view(-1)[0] = target[1]  # type: ignore[index]
+        if sc.explicit_unscale:
+            for opt in opts:
+                scaler.unscale_(opt)
+            if sc.strategy in ("fsdp1", "fsdp1_orig"):
+                model.clip_grad_norm_(1.0)  # type: ignore[operator]
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+        prev_scale = record["scale"][-1] if record["scale"] else kw["init_scale"]
+        record["skipped"].append(
+            bool(scaler.last_step_skipped)
+            if isinstance(scaler, DistributedGradScaler)
+            else scaler.get_scale() < prev_scale  # torch's scalers: a skip backs off
+        )
+        record["scale"].append(scaler.get_scale())
+        record["params"].append(_full_params_digest(sc, model))
+        record["collectives"].append(getattr(scaler, "collectives_issued", 0) - before)
+    record["state_dict"] = scaler.state_dict()
+    return record
+
+
+def run_many(rank: int, world: int, scenarios: list[Scenario]) -> list[dict[str, Any]]:
+    out = []
+    for sc in scenarios:
+        try:
+            out.append(run_scenario(rank, world, sc))
+        except RuntimeError as e:  # torch's scalers crash on some paths; record it
+            if sc.scaler == "distamp":
+                raise
+            out.append({"error": str(e)})
+    return out
