@@ -43,6 +43,20 @@ def update_scale_(
     ``min_scale`` (the caller decides whether and when to read it).
     """
     found = found_inf > 0
+    if rule.hysteresis == 1 and rule.min_scale is None:
+        # torch's fused update is one kernel instead of a dozen small ops (0.04 vs 0.3 ms on CPU);
+        # the only extra is the ceiling.
+        torch._amp_update_scale_(
+            scale,
+            growth_tracker,
+            found.float(),
+            rule.growth_factor,
+            rule.backoff_factor,
+            rule.growth_interval,
+        )
+        if rule.max_scale is not None:
+            scale.clamp_(max=rule.max_scale)
+        return torch.zeros_like(found)
     hyst_after = torch.where(found, hysteresis_tracker - 1, hysteresis_tracker)
     backoff = found & (hyst_after <= 0)
     successful = growth_tracker + 1

@@ -1,0 +1,229 @@
+"""Per-step cost of the scaler itself: collectives, host syncs and time, vs torch's scalers.
+
+Two gloo ranks train a model with a few hundred parameter tensors under DDP and FSDP1. Around
+each scaler call (``scale``, ``step`` — which unscales —, ``update``) the benchmark counts the
+``torch.distributed`` collectives issued from Python and the host syncs (``Tensor.item``,
+``Tensor.__bool__``, ``Tensor.tolist``, ``Tensor.cpu``), and times the calls. distamp is measured
+side by side with ``torch.amp.GradScaler`` and FSDP's ``ShardedGradScaler`` in the same run.
+
+    python benchmarks/scaler_overhead.py [--steps 30] [--layers 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import statistics
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+_SYNC_METHODS = ("item", "__bool__", "tolist", "cpu")
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+
+
+class _Counter:
+    """Counts collectives and host syncs while active (patched at the Python level)."""
+
+    def __init__(self) -> None:
+        self.collectives = 0
+        self.syncs = 0
+        self.active = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        saved_t = {m: getattr(torch.Tensor, m) for m in _SYNC_METHODS}
+        saved_d = {c: getattr(dist, c) for c in _COLLECTIVES}
+
+        def wrap_sync(fn: Any) -> Any:
+            def inner(*a: Any, **k: Any) -> Any:
+                if self.active:
+                    self.syncs += 1
+                return fn(*a, **k)
+
+            return inner
+
+        def wrap_coll(fn: Any) -> Any:
+            def inner(*a: Any, **k: Any) -> Any:
+                if self.active:
+                    self.collectives += 1
+                return fn(*a, **k)
+
+            return inner
+
+        for m, fn in saved_t.items():
+            setattr(torch.Tensor, m, wrap_sync(fn))
+        for c, fn in saved_d.items():
+            setattr(dist, c, wrap_coll(fn))
+        try:
+            yield
+        finally:
+            for m, fn in saved_t.items():
+                setattr(torch.Tensor, m, fn)
+            for c, fn in saved_d.items():
+                setattr(dist, c, fn)
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+
+def _model(layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(32, 32), nn.LayerNorm(32)]
+    return nn.Sequential(*blocks)  # 4 tensors per layer
+
+
+def _make_scaler(name: str, model: nn.Module) -> Any:
+    from distamp import DistributedGradScaler
+
+    if name == "torch GradScaler":
+        return torch.amp.GradScaler("cpu")
+    if name == "ShardedGradScaler":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler("cpu")
+    scaler = DistributedGradScaler("cpu")
+    if name == "distamp (DDP registered)":
+        scaler.register_module(model)
+    return scaler
+
+
+def _wrap(strategy: str, model: nn.Module) -> nn.Module:
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        use_orig_params=True,
+        device_id=torch.device("cpu"),
+    )
+
+
+def _measure(rank: int, strategy: str, name: str, steps: int, layers: int, counter: _Counter) -> dict[str, float]:
+    model = _wrap(strategy, _model(layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    scaler = _make_scaler(name, model)
+    # The optimizer's own syncs and time are the same whatever the scaler: exclude them.
+    opt_time = [0.0]
+    inner_step = opt.step
+
+    def step_uncounted(*a: Any, **k: Any) -> Any:
+        was, counter.active = counter.active, False
+        t = time.perf_counter()
+        try:
+            return inner_step(*a, **k)
+        finally:
+            opt_time[0] += time.perf_counter() - t
+            counter.active = was
+
+    opt.step = step_uncounted  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(rank)
+    times: dict[str, list[float]] = {"scale": [], "unscale+gate": [], "update": []}
+    counter.collectives = counter.syncs = 0
+    for i in range(steps + 3):
+        opt.zero_grad()
+        loss = model(torch.randn(8, 32, generator=gen)).square().mean()
+        with counter.counting():
+            t0 = time.perf_counter()
+            scaled = scaler.scale(loss)
+            t1 = time.perf_counter()
+        scaled.backward()
+        with counter.counting():
+            opt_time[0] = 0.0
+            t2 = time.perf_counter()
+            scaler.step(opt)
+            t3 = time.perf_counter()
+            scaler.update()
+            t4 = time.perf_counter()
+        if i == 2:  # warm-up done
+            counter.collectives = counter.syncs = 0
+            for v in times.values():
+                v.clear()
+        else:
+            times["scale"].append(t1 - t0)
+            times["unscale+gate"].append(t3 - t2 - opt_time[0])
+            times["update"].append(t4 - t3)
+    n = steps
+    out = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    out["total"] = sum(out.values())
+    out["collectives"] = counter.collectives / n
+    out["syncs"] = counter.syncs / n
+    out["tensors"] = float(sum(1 for _ in model.parameters()))
+    return out
+
+
+CASES = [
+    ("ddp", "torch GradScaler"),
+    ("ddp", "distamp"),
+    ("ddp", "distamp (DDP registered)"),
+    ("fsdp1", "torch GradScaler"),
+    ("fsdp1", "ShardedGradScaler"),
+    ("fsdp1", "distamp"),
+]
+
+
+def _worker(rank: int, world: int, port: int, steps: int, layers: int, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    counter = _Counter()
+    results = []
+    with counter.installed():
+        for strategy, name in CASES:
+            results.append((strategy, name, _measure(rank, strategy, name, steps, layers, counter)))
+            dist.barrier()
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=100, help="4 parameter tensors per layer")
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, args.steps, args.layers, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = queue.get(timeout=600)
+    for p in procs:
+        p.join(timeout=60)
+    base = {s: m["total"] for s, n, m in results if n == "torch GradScaler"}
+    print(f"2 ranks gloo, {int(results[0][2]['tensors'])} parameter tensors, median of {args.steps} steps")
+    header = f"{'strategy':8} {'scaler':26} {'coll/step':>9} {'syncs/step':>10} {'scale ms':>8} {'unsc+gate ms':>12} {'update ms':>9} {'total ms':>8} {'vs torch':>8}"
+    print(header)
+    print("-" * len(header))
+    for strategy, name, m in results:
+        print(
+            f"{strategy:8} {name:26} {m['collectives']:9.1f} {m['syncs']:10.1f} {m['scale']:8.3f} "
+            f"{m['unscale+gate']:12.3f} {m['update']:9.3f} {m['total']:8.3f} {m['total'] / base[strategy]:8.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
