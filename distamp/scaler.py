@@ -27,6 +27,7 @@ from distamp import reduction
 from distamp.kernels import unscale_and_check_
 from distamp.scale_update import ScaleRule, update_scale_
 from distamp.scaler_config import check_device, check_scaler_args, validate_state_dict
+from distamp.sync_free import masked_step
 
 __all__ = ["DistributedGradScaler", "ScaleUnderflowError", "ScalerStateError"]
 
@@ -353,7 +354,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
         elif self._sync_free:
-            retval = _masked_step(optimizer, found_inf, args, kwargs)
+            retval = masked_step(optimizer, found_inf, *args, **kwargs)
         else:
             # Host sync (one per step): whether optimizer.step runs at all is a Python decision.
             retval = None if found_inf.item() else optimizer.step(*args, **kwargs)
@@ -507,30 +508,3 @@ def _world() -> Any:
     import torch.distributed as dist
 
     return dist.group.WORLD
-
-
-def _masked_step(
-    optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, args: tuple, kwargs: dict
-) -> Any:
-    """Step a non-fused optimizer without a host sync, leaving everything unchanged on a skip.
-
-    Variant chosen for least memory traffic among the exact ones: snapshot the parameters and the
-    optimizer's state tensors (one read + write), step unconditionally, then select the snapshot
-    back where ``found_inf`` is set (one more read + write). Non-finite values produced by the
-    discarded update never survive the select. A step that would *create* optimizer state (the
-    first one) cannot be undone on device, so it takes one host sync instead.
-    """
-    params = [p for p in _params(optimizer) if p.grad is not None]
-    if any(not optimizer.state.get(p) for p in params):
-        # Host sync (first step only): state creation is a Python-side effect.
-        return None if found_inf.item() else optimizer.step(*args, **kwargs)
-    keep = found_inf > 0
-    tensors: list[torch.Tensor] = [p.data for p in params]
-    for p in params:
-        tensors.extend(v for v in optimizer.state[p].values() if isinstance(v, torch.Tensor))
-    with torch.no_grad():
-        snapshot = [t.clone() for t in tensors]
-        retval = optimizer.step(*args, **kwargs)
-        for t, s in zip(tensors, snapshot, strict=True):
-            t.copy_(torch.where(keep.to(t.device), s, t))
-    return retval

@@ -267,3 +267,54 @@ def test_sync_free_masked_step_leaves_state_bitwise_unchanged_on_skip() -> None:
                 for k, v in st.items():
                     assert torch.equal(v, after[1]["state"][pid][k]), (pid, k)
     assert s.skipped_steps == 2
+
+
+class _SyncCounter:
+    """Counts Tensor.item / __bool__ / tolist calls: each is a host sync on an accelerator."""
+
+    METHODS = ("item", "__bool__", "tolist")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, opt: torch.optim.Optimizer) -> None:
+        self.count = 0
+        self.paused = False
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def wrapped(t: torch.Tensor, *a, _orig=original, **k):  # type: ignore[no-untyped-def]
+                self.count += not self.paused
+                return _orig(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, wrapped)
+        # The optimizer's own reads of its CPU-resident step counters are not device syncs and
+        # not the scaler's doing: they are not counted.
+        inner = opt.step
+
+        def step(*a, **k):  # type: ignore[no-untyped-def]
+            self.paused = True
+            try:
+                return inner(*a, **k)
+            finally:
+                self.paused = False
+
+        monkeypatch.setattr(opt, "step", step)
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_sync_free_step_issues_no_host_sync(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = _model_and_opt(kind)
+    s = DistributedGradScaler("cpu", sync_free=True, init_scale=8.0, growth_interval=2)
+    x = torch.randn(4, 8)
+    counter = None
+    for step, poison in enumerate([1.0, 1.0, INF, 1.0, NAN, 1.0]):
+        if step == 1:  # the first step may create optimizer state (one sync for non-fused)
+            counter = _SyncCounter(monkeypatch, opt)
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        s.scale(loss).backward()
+        if poison != 1.0:
+            model[0].weight.grad[0, 0] = poison
+        s.step(opt)
+        s.update()
+    assert counter is not None and counter.count == 0
+    monkeypatch.undo()
+    assert s.skipped_steps == 2

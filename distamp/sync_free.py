@@ -1,0 +1,58 @@
+"""Gating a non-fused optimizer's step on an on-device flag, without a host sync.
+
+Fused optimizers take ``found_inf`` as an argument and skip inside their kernel. Every other
+optimizer is a Python loop whose ``step()`` cannot be skipped without reading the flag on the
+host, so the step is made *undoable* instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["masked_step"]
+
+
+def _params_with_grad(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                yield p
+
+
+def masked_step(
+    optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, *args: Any, **kwargs: Any
+) -> Any:
+    """Run ``optimizer.step`` and undo it on device where ``found_inf`` is set.
+
+    Variant chosen for least memory traffic among the exact ones: snapshot the parameters and the
+    optimizer's existing state tensors (one read + one write), step unconditionally, then select
+    the snapshot back where ``found_inf`` is set (one more read + write). Non-finite values made
+    by a discarded update never survive the select, so params and state are bitwise unchanged on
+    a skip. Two cases still sync the host: optimizer state *created* by this step (the first
+    step of Adam & co.) must be deleted on a skip, a Python-side effect; and state kept on the CPU
+    while the flag is on an accelerator (non-``capturable`` Adam keeps ``step`` there) is restored
+    with a device-to-host copy of the flag. Use a fused optimizer for a step with no sync at all.
+    """
+    params = list(_params_with_grad(optimizer))
+    fresh = {id(p) for p in params if not optimizer.state.get(p)}
+    skip = found_inf > 0
+    tensors: list[torch.Tensor] = [p.data for p in params]
+    for p in params:
+        if id(p) not in fresh:
+            tensors.extend(v for v in optimizer.state[p].values() if isinstance(v, torch.Tensor))
+    with torch.no_grad():
+        snapshot = [t.clone() for t in tensors]
+        retval = optimizer.step(*args, **kwargs)
+        skip_on = {skip.device: skip}
+        for t, s in zip(tensors, snapshot, strict=True):
+            flag = skip_on.setdefault(t.device, skip.to(t.device))
+            t.copy_(torch.where(flag, s, t))
+    created = [p for p in params if id(p) in fresh and optimizer.state.get(p)]
+    # Host sync, only on a step that created optimizer state (normally the first one).
+    if created and bool(skip.item()):
+        for p in created:
+            del optimizer.state[p]
+    return retval
