@@ -75,3 +75,24 @@ def test_cuda_low_precision_grads(dtype: torch.dtype) -> None:
     s.step(opt)
     s.update()
     assert bool(s.last_step_skipped) and torch.equal(p.detach(), torch.zeros_like(p))
+
+
+def test_gradients_on_two_devices_share_one_decision() -> None:
+    """One optimizer over a CPU and a CUDA parameter: an inf on either device skips both."""
+    cpu_p = torch.nn.Parameter(torch.ones(4))
+    gpu_p = torch.nn.Parameter(torch.ones(4, device="cuda"))
+    opt = torch.optim.SGD([cpu_p, gpu_p], lr=1.0)
+    s = DistributedGradScaler("cuda", init_scale=4.0)
+    for poisoned in (None, cpu_p, gpu_p):
+        opt.zero_grad()
+        loss = cpu_p.sum().cuda() + gpu_p.sum()
+        s.scale(loss).backward()
+        if poisoned is not None:
+            poisoned.grad[0] = INF
+        before = (cpu_p.detach().clone(), gpu_p.detach().clone())
+        s.step(opt)
+        s.update()
+        moved = not torch.equal(before[0], cpu_p.detach())
+        assert moved == (poisoned is None)
+        assert torch.equal(before[1], gpu_p.detach()) == (poisoned is not None)
+    assert s.skipped_steps == 2
