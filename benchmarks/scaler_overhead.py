@@ -27,7 +27,13 @@ import torch.multiprocessing as mp
 from torch import nn
 
 _SYNC_METHODS = ("item", "__bool__", "tolist", "cpu")
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+)
 
 
 class _Counter:
@@ -119,7 +125,9 @@ def _wrap(strategy: str, model: nn.Module) -> nn.Module:
     )
 
 
-def _measure(rank: int, strategy: str, name: str, steps: int, layers: int, counter: _Counter) -> dict[str, float]:
+def _measure(
+    rank: int, strategy: str, name: str, steps: int, layers: int, counter: _Counter
+) -> dict[str, float]:
     model = _wrap(strategy, _model(layers))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     scaler = _make_scaler(name, model)
@@ -198,7 +206,9 @@ def _worker(rank: int, world: int, port: int, steps: int, layers: int, queue: An
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--layers", type=int, default=100, help="4 parameter tensors per layer")
     args = parser.parse_args()
@@ -207,21 +217,31 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, args.steps, args.layers, queue)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, 2, port, args.steps, args.layers, queue))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     results = queue.get(timeout=600)
     for p in procs:
         p.join(timeout=60)
     base = {s: m["total"] for s, n, m in results if n == "torch GradScaler"}
-    print(f"2 ranks gloo, {int(results[0][2]['tensors'])} parameter tensors, median of {args.steps} steps")
-    header = f"{'strategy':8} {'scaler':26} {'coll/step':>9} {'syncs/step':>10} {'scale ms':>8} {'unsc+gate ms':>12} {'update ms':>9} {'total ms':>8} {'vs torch':>8}"
+    print(
+        f"2 ranks gloo, {int(results[0][2]['tensors'])} parameter tensors, "
+        f"median of {args.steps} steps"
+    )
+    header = (
+        f"{'strategy':8} {'scaler':26} {'coll/step':>9} {'syncs/step':>10} {'scale ms':>8} "
+        f"{'unsc+gate ms':>12} {'update ms':>9} {'total ms':>8} {'vs torch':>8}"
+    )
     print(header)
     print("-" * len(header))
     for strategy, name, m in results:
         print(
             f"{strategy:8} {name:26} {m['collectives']:9.1f} {m['syncs']:10.1f} {m['scale']:8.3f} "
-            f"{m['unscale+gate']:12.3f} {m['update']:9.3f} {m['total']:8.3f} {m['total'] / base[strategy]:8.2f}"
+            f"{m['unscale+gate']:12.3f} {m['update']:9.3f} {m['total']:8.3f} "
+            f"{m['total'] / base[strategy]:8.2f}"
         )
 
 
