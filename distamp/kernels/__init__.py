@@ -1,7 +1,28 @@
-"""Fused unscale kernels: unscale + non-finite check (+ sum of squares) in one read pass."""
+"""Fused unscale kernels: unscale + non-finite check (+ sum of squares) in one read pass.
+
+``unscale_check_sumsq_`` is the full entry point, ``unscale_and_check_`` the scaler's simple one;
+both dispatch over the "triton" and "torch" backends (see :mod:`distamp.kernels.dispatch`).
+Triton is imported only when a CUDA call first needs it.
+"""
 
 from __future__ import annotations
 
-from distamp.kernels.reference import unscale_and_check_
+from distamp.kernels.dispatch import (
+    BACKENDS,
+    ENV_VAR,
+    get_default_backend,
+    set_default_backend,
+    triton_available,
+    unscale_and_check_,
+    unscale_check_sumsq_,
+)
 
-__all__ = ["unscale_and_check_"]
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "get_default_backend",
+    "set_default_backend",
+    "triton_available",
+    "unscale_and_check_",
+    "unscale_check_sumsq_",
+]
