@@ -1,0 +1,320 @@
+"""The ``distamp`` command: ``launch`` starts a script on N processes, ``env`` reports the setup.
+
+The launcher -> command mapping (:func:`build_command`) and the ``auto`` rule
+(:func:`resolve_launcher`) are pure functions; only :func:`main` looks at the machine and runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from distamp.cluster import _free_port, detect_environment
+
+__all__ = ["LaunchSpec", "build_command", "environment_report", "main", "resolve_launcher"]
+
+LAUNCHER_CHOICES = ("auto", "torchrun", "mpirun", "srun", "single")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """What to start and how; every machine-dependent value is resolved by the caller."""
+
+    launcher: str  # "torchrun" | "mpirun" | "srun" | "single" (not "auto": see resolve_launcher)
+    script: str
+    script_args: tuple[str, ...] = ()
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None  # "host:port" of rank 0 / the rendezvous
+    python: str = "python"
+    as_root: bool = False  # Open MPI refuses root without --allow-run-as-root
+
+
+def resolve_launcher(
+    requested: str, *, nnodes: int, env: Mapping[str, str], srun_available: bool
+) -> str:
+    """Map ``auto`` to a launcher; other names pass through.
+
+    ``auto`` is torchrun, which works on a laptop and, as one agent per node, inside srun steps and
+    mpirun jobs. The exception: several nodes from inside a SLURM allocation that is not yet in a
+    step (``salloc``/``sbatch`` shell), where only srun reaches the other nodes. Never mpirun: a
+    nested mpirun inside an MPI job is not supported by the MPI implementations.
+    """
+    if requested != "auto":
+        return requested
+    in_allocation = "SLURM_JOB_ID" in env and "SLURM_STEP_ID" not in env
+    return "srun" if nnodes > 1 and in_allocation and srun_available else "torchrun"
+
+
+def build_command(spec: LaunchSpec) -> list[str]:
+    """The argv that starts ``spec.script`` under ``spec.launcher`` (pure: no I/O, no environment).
+
+    Raises:
+        ValueError: a process count below 1, an unknown launcher, or a multi-node torchrun without
+            ``rdzv_endpoint``.
+    """
+    if spec.nnodes < 1 or spec.nproc_per_node < 1:
+        raise ValueError(
+            f"--nnodes={spec.nnodes} and --nproc-per-node={spec.nproc_per_node}: need >= 1"
+        )
+    program = [spec.python, spec.script, *spec.script_args]
+    host, _, port = (spec.rdzv_endpoint or "").rpartition(":")
+    if spec.launcher == "torchrun":
+        cmd = [spec.python, "-m", "torch.distributed.run", "--nnodes", str(spec.nnodes)]
+        if spec.rdzv_endpoint is None and spec.nnodes == 1:
+            cmd += ["--standalone"]  # a private rendezvous on a free local port
+        elif spec.rdzv_endpoint is None:
+            raise ValueError(
+                "torchrun on several nodes needs --rdzv-endpoint HOST:PORT (a node of the job)"
+            )
+        else:
+            cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", spec.rdzv_endpoint]
+            cmd += [] if spec.node_rank is None else ["--node-rank", str(spec.node_rank)]
+        return [*cmd, "--nproc-per-node", str(spec.nproc_per_node), spec.script, *spec.script_args]
+    if spec.launcher == "mpirun":  # Open MPI's option names
+        cmd = ["mpirun", "-np", str(spec.nnodes * spec.nproc_per_node)]
+        cmd += ["--allow-run-as-root"] if spec.as_root else []
+        # One node: allow more ranks than detected cores (small CI machines); several: fill by node.
+        cmd += (
+            ["--oversubscribe"]
+            if spec.nnodes == 1
+            else ["--map-by", f"ppr:{spec.nproc_per_node}:node"]
+        )
+        # Without an endpoint the ranks ask rank 0 for its address over MPI (needs mpi4py).
+        cmd += (
+            ["-x", f"MASTER_ADDR={host}", "-x", f"MASTER_PORT={port}"] if spec.rdzv_endpoint else []
+        )
+        return [*cmd, *program]
+    if spec.launcher == "srun":
+        cmd = ["srun", f"--nodes={spec.nnodes}", f"--ntasks-per-node={spec.nproc_per_node}"]
+        cmd += ["--kill-on-bad-exit=1"]  # one failed rank ends the step instead of leaving a hang
+        cmd += [f"--export=ALL,MASTER_ADDR={host},MASTER_PORT={port}"] if spec.rdzv_endpoint else []
+        return [*cmd, *program]
+    if spec.launcher == "single":
+        if spec.nnodes * spec.nproc_per_node != 1:
+            raise ValueError("--launcher single starts one process: drop --nnodes/--nproc-per-node")
+        return program
+    raise ValueError(f"launcher {spec.launcher!r} is not one of {', '.join(LAUNCHER_CHOICES[1:])}")
+
+
+def _run(cmd: list[str]) -> int:
+    """Run ``cmd``, forwarding SIGINT/SIGTERM, and return its exit code (128+N when killed by N)."""
+    proc = subprocess.Popen(cmd)
+
+    def forward(signum: int, _frame: object) -> None:
+        # Ctrl-C in a terminal already reached the child (same foreground process group); sending it
+        # twice would interrupt torchrun's own cleanup of its workers.
+        if signum == signal.SIGINT and _terminal_foreground():
+            return
+        proc.send_signal(signum)
+
+    handled = (signal.SIGINT, signal.SIGTERM)
+    in_main = threading.current_thread() is threading.main_thread()  # signal() works only there
+    previous = {s: signal.signal(s, forward) for s in handled} if in_main else {}
+    try:
+        code = proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 128 - code if code < 0 else code
+
+
+def _terminal_foreground() -> bool:
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):  # no terminal, closed or replaced stdin
+        return False
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _autocast_supported(device: str, dtype: Any) -> bool:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        return False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            torch.autocast(device, dtype=dtype)
+        except (RuntimeError, ValueError):
+            return False
+    return not caught  # torch warns, then disables autocast, for a dtype the device cannot run
+
+
+# What `distamp env` shows of the environment: launcher variables and the backends' knobs.
+_SHOWN = re.compile(
+    r"(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|CUDA_VISIBLE_DEVICES)$|MPI_LOCAL"
+    r"|(MASTER|TORCHELASTIC|SLURM|OMPI_COMM_WORLD|PMI|MV2_COMM_WORLD|DISTAMP|NCCL|TORCH_NCCL|GLOO"
+    r"|TORCH_DISTRIBUTED)_"
+)
+
+
+def environment_report(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Versions, detected launcher, CUDA/NCCL/MPI, autocast support and the launcher variables.
+
+    Versions come from package metadata, so mpi4py and triton are reported without being imported
+    (importing mpi4py would initialize MPI).
+    """
+    import torch
+    import torch.distributed as dist
+
+    env = os.environ if env is None else env
+    try:
+        detected: dict[str, Any] = asdict(detect_environment(env))
+    except ValueError as exc:
+        detected = {"error": str(exc)}
+    cuda = torch.cuda.is_available()
+    devices = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
+    )
+    nccl = dist.is_available() and dist.is_nccl_available()
+    return {
+        "versions": {
+            "distamp": _version("distamp"),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "triton": _version("triton"),
+            "mpi4py": _version("mpi4py"),
+        },
+        "environment": detected,
+        "cuda": {
+            "available": cuda,
+            "version": torch.version.cuda,
+            "devices": devices,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda and nccl else None,
+        },
+        "mpi": {
+            "mpirun": shutil.which("mpirun"),
+            "srun": shutil.which("srun"),
+            "torch_mpi_backend": dist.is_mpi_available(),
+        },
+        "autocast": {
+            f"{device}.{name}": _autocast_supported(device, dtype)
+            for device in ("cpu", "cuda")
+            for name, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16))
+        },
+        "variables": {k: v for k, v in sorted(env.items()) if _SHOWN.match(k)},
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distamp", description="distributed mixed precision")
+    parser.add_argument(
+        "--version", action="version", version=f"distamp {_version('distamp') or 'unknown'}"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    launch = sub.add_parser("launch", help="start SCRIPT on several processes")
+    launch.add_argument("--launcher", choices=LAUNCHER_CHOICES, default="auto")
+    launch.add_argument("--nnodes", type=int, default=1)
+    launch.add_argument("--nproc-per-node", type=int, default=1)
+    launch.add_argument("--node-rank", type=int, default=None, help="torchrun only")
+    launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT")
+    launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    launch.add_argument(
+        "--sbatch",
+        action="store_true",
+        help="print a SLURM batch script for --launcher torchrun|srun|mpirun, run nothing",
+    )
+    launch.add_argument("script")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER)
+    report = sub.add_parser("env", help="report versions, launcher and hardware support")
+    report.add_argument("--json", action="store_true")
+    return parser
+
+
+def _launch(args: argparse.Namespace) -> int:
+    if args.sbatch:  # the rendezvous endpoint comes from the allocation, at run time
+        from distamp.recipes import render_sbatch
+
+        try:
+            script = render_sbatch(
+                args.launcher,
+                nodes=args.nnodes,
+                gpus_per_node=args.nproc_per_node,
+                script=args.script,
+                script_args=args.script_args,
+            )
+        except ValueError as exc:
+            print(f"distamp launch: error: --sbatch: {exc}", file=sys.stderr)
+            return 2
+        print(script, end="")
+        return 0
+    launcher = resolve_launcher(
+        args.launcher, nnodes=args.nnodes, env=os.environ, srun_available=bool(shutil.which("srun"))
+    )
+    endpoint = args.rdzv_endpoint
+    if endpoint is None and {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+        endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"  # explicit ones win
+    if endpoint is None and launcher == "mpirun" and args.nnodes == 1:
+        endpoint = f"127.0.0.1:{_free_port()}"  # one node: no need for mpi4py to find rank 0
+    spec = LaunchSpec(
+        launcher=launcher,
+        script=args.script,
+        script_args=tuple(args.script_args),
+        nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        node_rank=args.node_rank,
+        rdzv_endpoint=endpoint,
+        python=sys.executable,
+        as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+    )
+    try:
+        cmd = build_command(spec)
+    except ValueError as exc:
+        print(f"distamp launch: error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    try:
+        return _run(cmd)
+    except FileNotFoundError:
+        print(f"distamp launch: error: {cmd[0]!r} is not on PATH", file=sys.stderr)
+        return 127
+
+
+def _print_report(report: Mapping[str, Any]) -> None:
+    for section, values in report.items():
+        print(f"{section}:")
+        for key, value in values.items():
+            print(f"  {key:<20} {'-' if value is None else value}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``distamp`` console script; returns the process exit code."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version and usage errors: argparse already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    if args.command == "launch":
+        return _launch(args)
+    report = environment_report()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_report(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,451 @@
+"""Launcher detection from plain dicts, SLURM node lists, real gloo rendezvous and its failures."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import free_port
+
+from distamp.cluster import (
+    LAUNCHERS,
+    DistEnv,
+    RendezvousError,
+    _describe_live_group,
+    detect_environment,
+    expand_nodelist,
+    init_distributed,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "scripts" / "allreduce.py"
+# Variables of any launcher, removed from the environment the subprocesses of these tests inherit.
+LAUNCHER_VARS = re.compile(
+    r"(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK)$"
+    r"|(MASTER|TORCHELASTIC|SLURM|OMPI_COMM_WORLD|PMI|PMIX|MPI_LOCAL|MV2_COMM_WORLD|DISTAMP)_"
+)
+
+OMPI = {
+    "OMPI_COMM_WORLD_RANK": "1",
+    "OMPI_COMM_WORLD_SIZE": "4",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    "OMPI_COMM_WORLD_NODE_RANK": "1",  # rank within the node, NOT the node index
+}
+SRUN = {
+    "SLURM_JOB_ID": "123456",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_TASKS_PER_NODE": "4(x2)",
+    "SLURM_JOB_NODELIST": "gpu[007-008]",
+}
+TORCHRUN = {
+    "TORCHELASTIC_RUN_ID": "abc",
+    "RANK": "3",
+    "WORLD_SIZE": "8",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "1",
+    "MASTER_ADDR": "node0",
+    "MASTER_PORT": "29500",
+}
+
+# (id, environment, expected DistEnv fields: launcher, rank, world, local rank, local world,
+#  node rank, main address, main port)
+DETECT_CASES = [
+    ("empty", {}, ("single", 0, 1, 0, 1, 0, None, None)),
+    ("torchrun", TORCHRUN, ("torchrun", 3, 8, 1, 2, 1, "node0", 29500)),
+    (
+        "env-contract-minimal",  # hand-made env:// setup: one node implied
+        {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1234"},
+        ("torchrun", 1, 2, 1, 2, 0, "h", 1234),
+    ),
+    ("torchrun-inside-srun", {**SRUN, **TORCHRUN}, ("torchrun", 3, 8, 1, 2, 1, "node0", 29500)),
+    ("srun", SRUN, ("slurm", 5, 8, 1, 4, 1, "gpu007", 10000 + 123456 % 20000)),
+    (
+        "srun-step-nodelist-first",
+        {**SRUN, "SLURM_STEP_NODELIST": "gpu[010-011]", "SLURM_NODELIST": "x"},
+        ("slurm", 5, 8, 1, 4, 1, "gpu010", 13456),
+    ),
+    (
+        "srun-uneven-nodes",
+        {
+            **SRUN,
+            "SLURM_NTASKS": "5",
+            "SLURM_PROCID": "4",
+            "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "2",
+            "SLURM_TASKS_PER_NODE": "2(x2),1",
+            "SLURM_JOB_NODELIST": "n[1-3]",
+        },
+        ("slurm", 4, 5, 0, 1, 2, "n1", 13456),
+    ),
+    (
+        "srun-step-variables-win",
+        {
+            **SRUN,
+            "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_PROCID": "1",
+            "SLURM_LOCALID": "0",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        },
+        ("slurm", 1, 2, 0, 1, 1, "gpu007", 13456),
+    ),
+    (
+        "srun-mpi-pmi2",
+        {**SRUN, "PMI_RANK": "5", "PMI_SIZE": "8"},
+        ("slurm", 5, 8, 1, 4, 1, "gpu007", 13456),
+    ),
+    (
+        "salloc-shell-is-single",
+        {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NTASKS": "4"},
+        ("single", 0, 1, 0, 1, 0, None, None),
+    ),
+    (
+        "sbatch-shell-is-single",  # the batch step sets SLURM_PROCID but has no SLURM_STEP_ID
+        {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"},
+        ("single", 0, 1, 0, 1, 0, None, None),
+    ),
+    (
+        "mpirun-inside-allocation",  # orted started by srun: SLURM counts 2 daemons, MPI 4 ranks
+        {**SRUN, "SLURM_NTASKS": "2", "SLURM_PROCID": "0", **OMPI},
+        ("openmpi", 1, 4, 1, 2, 0, None, None),
+    ),
+    ("openmpi-node-rank-trap", OMPI, ("openmpi", 1, 4, 1, 2, 0, None, None)),
+    (
+        "openmpi-block-second-node",
+        {**OMPI, "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_NODE_RANK": "1"},
+        ("openmpi", 3, 4, 1, 2, 1, None, None),
+    ),
+    (
+        "openmpi-map-by-node-unknown-node",  # rank 1 is local rank 0 of the second node
+        {**OMPI, "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_NODE_RANK": "0"},
+        ("openmpi", 1, 4, 0, 2, None, None, None),
+    ),
+    (
+        "openmpi-uneven-unknown-node",
+        {**OMPI, "OMPI_COMM_WORLD_SIZE": "3"},
+        ("openmpi", 1, 3, 1, 2, None, None, None),
+    ),
+    (
+        "openmpi-master-override",
+        {**OMPI, "MASTER_ADDR": "head", "MASTER_PORT": "2222"},
+        ("openmpi", 1, 4, 1, 2, 0, "head", 2222),
+    ),
+    (
+        "mpich",
+        {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"},
+        ("mpich", 2, 4, 0, 2, 1, None, None),
+    ),
+    (
+        "mvapich",
+        {
+            "MV2_COMM_WORLD_RANK": "0",
+            "MV2_COMM_WORLD_SIZE": "2",
+            "MV2_COMM_WORLD_LOCAL_RANK": "0",
+            "MV2_COMM_WORLD_LOCAL_SIZE": "2",
+            "PMI_RANK": "0",
+            "PMI_SIZE": "2",
+        },
+        ("mvapich", 0, 2, 0, 2, 0, None, None),
+    ),
+    (
+        "slurm-master-override",
+        {**SRUN, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "4000"},
+        ("slurm", 5, 8, 1, 4, 1, "10.0.0.1", 4000),
+    ),
+    ("single-with-master", {"MASTER_PORT": "1234"}, ("single", 0, 1, 0, 1, 0, None, 1234)),
+    (
+        "forced-single",
+        {**OMPI, "DISTAMP_LAUNCHER": "single"},
+        ("single", 0, 1, 0, 1, 0, None, None),
+    ),
+    (
+        "forced-openmpi-over-torchrun",
+        {**TORCHRUN, **OMPI, "DISTAMP_LAUNCHER": " OpenMPI "},
+        ("openmpi", 1, 4, 1, 2, 0, "node0", 29500),
+    ),
+    ("forced-auto", {**OMPI, "DISTAMP_LAUNCHER": "auto"}, ("openmpi", 1, 4, 1, 2, 0, None, None)),
+]
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"), [c[1:] for c in DETECT_CASES], ids=[c[0] for c in DETECT_CASES]
+)
+def test_detect(env: dict[str, str], expected: tuple[Any, ...]) -> None:
+    assert detect_environment(env) == DistEnv(*expected)
+
+
+ERROR_CASES = [
+    (
+        "unknown-forced",
+        {"DISTAMP_LAUNCHER": "pbs"},
+        r"DISTAMP_LAUNCHER='pbs'.*torchrun.*slurm.*openmpi",
+    ),
+    ("rank-too-big", {"RANK": "4", "WORLD_SIZE": "4"}, r"RANK=4 is out of range for WORLD_SIZE=4"),
+    ("rank-not-int", {"RANK": "one", "WORLD_SIZE": "4"}, r"RANK='one' is not an integer"),
+    ("torchelastic-no-rank", {"TORCHELASTIC_RUN_ID": "x"}, r"RANK is not set"),
+    (
+        "local-rank-too-big",
+        {**OMPI, "OMPI_COMM_WORLD_LOCAL_RANK": "2"},
+        r"OMPI_COMM_WORLD_LOCAL_RANK=2 is out of range for OMPI_COMM_WORLD_LOCAL_SIZE=2",
+    ),
+    (
+        "local-size-too-big",
+        {**OMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "5"},
+        r"OMPI_COMM_WORLD_LOCAL_SIZE=5",
+    ),
+    (
+        "zero-world",
+        {"PMI_RANK": "0", "PMI_SIZE": "0", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"},
+        r"PMI_SIZE=0 must be at least 1",
+    ),
+    ("mpich-no-local", {"PMI_RANK": "0", "PMI_SIZE": "2"}, r"MPI_LOCALRANKID is not set"),
+    ("slurm-job-id", {**SRUN, "SLURM_JOB_ID": "12_3"}, r"SLURM_JOB_ID='12_3' is not an integer"),
+    ("slurm-tasks-format", {**SRUN, "SLURM_TASKS_PER_NODE": "4x2"}, r"SLURM_TASKS_PER_NODE='4x2'"),
+    ("slurm-node-id", {**SRUN, "SLURM_NODEID": "2"}, r"SLURM_NODEID=2 is out of range"),
+    ("slurm-bad-nodelist", {**SRUN, "SLURM_JOB_NODELIST": "n[1-"}, r"node list 'n\[1-'"),
+    (
+        "forced-slurm-missing",
+        {"DISTAMP_LAUNCHER": "slurm", "SLURM_NTASKS": "2"},
+        r"SLURM_PROCID is not set",
+    ),
+    ("port-not-int", {"MASTER_PORT": "http"}, r"MASTER_PORT='http' is not an integer"),
+    ("port-out-of-range", {"MASTER_PORT": "70000"}, r"MASTER_PORT=70000 is not a TCP port"),
+]
+
+
+@pytest.mark.parametrize(
+    ("env", "match"), [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES]
+)
+def test_detect_rejects(env: dict[str, str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        detect_environment(env)
+
+
+def test_launchers_are_the_documented_names() -> None:
+    assert set(LAUNCHERS) == {"torchrun", "slurm", "openmpi", "mpich", "mvapich", "single"}
+
+
+def test_detect_is_pure() -> None:
+    before = dict(os.environ)
+    env = MappingProxyType(dict(OMPI))  # read-only: any write would raise
+    assert detect_environment(env).launcher == "openmpi"
+    assert dict(os.environ) == before
+    # Detection must not load an MPI runtime (importing mpi4py initializes MPI).
+    code = "import sys; from distamp.cluster import detect_environment as d; d(%r); print(sorted(m for m in sys.modules if m.startswith('mpi4py')))"  # noqa: E501
+    out = subprocess.run(
+        [sys.executable, "-c", code % dict(OMPI)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_clean_env(),
+        cwd=REPO,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_detect_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if LAUNCHER_VARS.match(key):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("DISTAMP_LAUNCHER", "single")
+    assert detect_environment().launcher == "single"
+
+
+NODELISTS = [
+    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+    ("a-[1-2]-b[3,4]", ["a-1-b3", "a-1-b4", "a-2-b3", "a-2-b4"]),
+    ("n[8-10]", ["n8", "n9", "n10"]),
+    ("n[08-10]", ["n08", "n09", "n10"]),
+    ("host1,host2", ["host1", "host2"]),
+    ("localhost", ["localhost"]),
+    ("gpu[1,3-4]x", ["gpu1x", "gpu3x", "gpu4x"]),
+    ("rack[1-2]-n[01-02],login", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02", "login"]),
+    ("", []),
+]
+
+
+@pytest.mark.parametrize(("nodelist", "hosts"), NODELISTS)
+def test_expand_nodelist(nodelist: str, hosts: list[str]) -> None:
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize(
+    "nodelist", ["n[01-", "n]1[", "n[3-1]", "n[a-b]", "n[[1]]", "n[]", "n[1]]"]
+)
+def test_expand_nodelist_rejects(nodelist: str) -> None:
+    with pytest.raises(ValueError, match="node list"):
+        expand_nodelist(nodelist)
+
+
+def test_dist_env_properties_and_validation() -> None:
+    env = DistEnv("slurm", 5, 8, 1, 4, 1, "n1", 1234)
+    assert env.is_distributed and not env.is_main_process and env.num_nodes == 2
+    assert not DistEnv("single", 0, 1, 0, 1, 0, None, None).is_distributed
+    assert DistEnv("openmpi", 0, 3, 0, 2, None, None, None).num_nodes is None
+    with pytest.raises(ValueError, match="rank=2 < world_size=2"):
+        DistEnv("torchrun", 2, 2, 0, 1, 0, None, None)
+    with pytest.raises(ValueError, match="local_rank=1 < local_world_size=1"):
+        DistEnv("torchrun", 0, 2, 1, 1, 0, None, None)
+    with pytest.raises(ValueError, match="main_port=0"):
+        DistEnv("torchrun", 0, 2, 0, 1, 0, "h", 0)
+
+
+# ---- init_distributed ----------------------------------------------------------------------
+
+
+def test_single_process_gets_no_group() -> None:
+    env = DistEnv("single", 0, 1, 0, 1, 0, None, None)
+    assert init_distributed(env) is env
+    assert not dist.is_initialized()
+
+
+def test_world_of_one_and_idempotence() -> None:
+    env = DistEnv("torchrun", 0, 1, 0, 1, 0, "127.0.0.1", free_port())
+    try:
+        assert init_distributed(env, timeout=30) == env
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert dist.get_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+        assert init_distributed(env) == env  # no second init
+        with pytest.raises(RuntimeError, match=r"already initialized as rank 0 of 1.*rank 1 of 2"):
+            init_distributed(DistEnv("torchrun", 1, 2, 0, 1, 0, "127.0.0.1", 1))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_live_group_without_launcher_variables_is_described() -> None:
+    single = DistEnv("single", 0, 1, 0, 1, 0, None, None)
+    assert _describe_live_group(single, 3, 4) == DistEnv("external", 3, 4, 3, 4, 0, None, None)
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.match(k)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return {**env, "ALLREDUCE_BACKEND": "gloo", **extra}  # gloo: ranks may share one GPU
+
+
+def _run_pair(envs: list[dict[str, str]], timeout: float = 90) -> list[str]:
+    """Start one process per env and return their stdouts; fail (after killing them) on timeout."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT)],
+            env=e,
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for e in envs
+    ]
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert p.returncode == 0, f"exit {p.returncode}\n{out}\n{err}"
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_real_two_process_rendezvous(launcher: str) -> None:
+    port = str(free_port())
+    if launcher == "torchrun":
+        envs = [
+            _clean_env(
+                RANK=str(r),
+                WORLD_SIZE="2",
+                LOCAL_RANK=str(r),
+                LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            )
+            for r in range(2)
+        ]
+    else:  # what srun would set for 2 tasks on one node (the address comes from the node list)
+        envs = [
+            _clean_env(
+                SLURM_JOB_ID="42",
+                SLURM_STEP_ID="0",
+                SLURM_PROCID=str(r),
+                SLURM_NTASKS="2",
+                SLURM_LOCALID=str(r),
+                SLURM_NODEID="0",
+                SLURM_TASKS_PER_NODE="2",
+                SLURM_JOB_NODELIST="localhost",
+                MASTER_PORT=port,
+            )
+            for r in range(2)
+        ]
+    outs = _run_pair(envs)
+    for rank, out in enumerate(outs):
+        assert f"rank={rank} world_size=2 launcher={launcher}" in out
+        assert "sum=3 expected=3" in out
+
+
+def test_rendezvous_timeout_when_peer_never_starts() -> None:
+    port = free_port()
+    env = DistEnv("torchrun", 0, 2, 0, 2, 0, "127.0.0.1", port)  # rank 1 never comes
+    start = time.monotonic()
+    with pytest.raises(RendezvousError) as info:
+        init_distributed(env, timeout=5)
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert f"127.0.0.1:{port}" in message and "'torchrun'" in message
+    assert "MASTER_ADDR" in message and "timeout" in message
+    assert not dist.is_initialized()
+
+
+def test_rendezvous_timeout_when_main_process_is_absent() -> None:
+    # The client side: nobody listens at the main address, so only the connect can time out.
+    env = DistEnv("slurm", 1, 2, 1, 2, 0, "127.0.0.1", free_port())
+    start = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"rank 1 of 2 \(launcher 'slurm'\)"):
+        init_distributed(env, timeout=2)
+    assert time.monotonic() - start < 30
+
+
+def test_watchdog_ends_a_hang() -> None:
+    code = (
+        "import time; from distamp.cluster import _watchdog\n"
+        "with _watchdog(0.5, 'rendezvous at h:1 stuck'):\n    time.sleep(60)\n"
+    )
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_clean_env()
+    )
+    assert out.returncode == 1
+    assert "rendezvous at h:1 stuck" in out.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_mpi_without_address_needs_mpi4py(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `import mpi4py` fail
+    env = DistEnv("openmpi", 0, 2, 0, 2, 0, None, None)
+    with pytest.raises(ImportError, match=r"pip install distamp\[mpi\].*MASTER_ADDR"):
+        init_distributed(env)
+
+
+def test_non_mpi_launcher_without_address_is_an_error() -> None:
+    env = DistEnv("torchrun", 0, 2, 0, 2, 0, None, None)
+    with pytest.raises(ValueError, match="set MASTER_ADDR and MASTER_PORT"):
+        init_distributed(env)
