@@ -1,0 +1,263 @@
+"""Rank-consistent, atomic checkpoints: sharded state through DCP, the rest from rank 0.
+
+Layout of a checkpoint directory ``DIR``::
+
+    DIR/latest.json             the manifest: which step directory is complete (written last)
+    DIR/step_00000120/state/    model + optimizer, torch.distributed.checkpoint (every rank writes
+                                its shards; replicated tensors are written once)
+    DIR/step_00000120/trainer.pt  step counter, scaler, scheduler (rank 0; identical on all ranks)
+    DIR/step_00000120/rng_<r>.pt  rank r's RNG streams (they differ between ranks)
+
+A save goes to a hidden temporary directory first; every file is fsynced, the directory is
+renamed into place, and only then is the manifest replaced (itself written to a temporary file,
+fsynced and renamed). A crash at any point leaves the previous manifest pointing at a complete
+checkpoint, so a loader never sees half a save. ``DIR`` must be one filesystem shared by all
+ranks (as DCP requires).
+
+Model and optimizer go through ``get_state_dict``/``set_state_dict``, which give the same
+parameter names whatever wrapper (none, DDP, FSDP1, FSDP2) holds the model: a checkpoint saved
+under one strategy loads under another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "MANIFEST",
+    "capture_rng",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "restore_rng",
+    "save_checkpoint",
+]
+
+MANIFEST = "latest.json"
+FORMAT_VERSION = 1
+
+
+def _grouped() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    # Without a process group DCP warns that it "assumes a single process" even when told so
+    # with no_dist=True; for distamp that case is intended (one-process runs), not a hazard.
+    with warnings.catch_warnings():
+        if not _grouped():
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to", category=UserWarning
+            )
+        yield
+
+
+def _dist() -> tuple[int, int]:
+    if _grouped():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if _dist()[1] > 1:
+        dist.barrier()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_synced(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's random streams: torch (CPU and every CUDA device), ``random``, numpy.
+
+    numpy's global stream is saved only when numpy is already imported: a process that never
+    imported it never drew from it. Its state is stored as tensors and plain values so that the
+    file loads with ``weights_only=True``.
+    """
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (name, torch.from_numpy(keys.copy()), pos, has_gauss, gauss)
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back the streams of :func:`capture_rng`."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, keys.numpy(), pos, has_gauss, gauss))
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint the manifest of ``directory`` names, or ``None`` if none."""
+    manifest = Path(directory) / MANIFEST
+    if not manifest.is_file():
+        return None
+    info = json.loads(manifest.read_text())
+    path = Path(directory) / info["path"]
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{manifest} names {info['path']!r}, which does not exist: the checkpoint directory "
+            "was modified by hand; delete the manifest to start over"
+        )
+    return path
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Save a checkpoint of step ``step`` atomically; collective: call on every rank.
+
+    Args:
+        directory: the checkpoint directory (created if needed), shared by all ranks.
+        step: the number of completed optimizer steps; names the step directory.
+        model, optimizer: as returned by ``DistAMP.setup`` (any strategy).
+        trainer_state: small, rank-identical state (step, scaler, scheduler...) that rank 0
+            writes alone; tensors and plain Python values only.
+        keep: how many complete checkpoints to keep (the newest ones); at least 1.
+
+    Returns:
+        The committed step directory.
+    """
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    rank, world = _dist()
+    root = Path(directory)
+    name = f"step_{step:08d}"
+    tmp, final = root / f".{name}.tmp", root / name
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that crashed
+        tmp.mkdir()
+    _barrier()
+    msd, osd = get_state_dict(model, optimizer)
+    with _single_process_quiet():  # DCP fsyncs the files it writes
+        dcp_save({"model": msd, "optim": osd}, checkpoint_id=tmp / "state", no_dist=not _grouped())
+    _save_synced(capture_rng(), tmp / f"rng_{rank}.pt")
+    if rank == 0:
+        meta = {"format": FORMAT_VERSION, "step": step, "world_size": world}
+        _save_synced({**trainer_state, "meta": meta}, tmp / "trainer.pt")
+    _barrier()
+    error = None
+    if rank == 0:
+        try:
+            final = _commit(root, tmp, final, step=step, world=world, keep=keep)
+        except OSError as exc:
+            error = f"rank 0 could not commit the checkpoint {final}: {exc}"
+    if world > 1:
+        # Rank 0's outcome for everyone: a failed commit must fail every rank, not only rank 0.
+        box: list[str | None] = [error, str(final)]
+        dist.broadcast_object_list(box, src=0)
+        error, final = box[0], Path(str(box[1]))
+    if error is not None:
+        raise RuntimeError(error)
+    return final
+
+
+def _commit(root: Path, tmp: Path, final: Path, *, step: int, world: int, keep: int) -> Path:
+    """Move ``tmp`` into place and point the manifest at it; returns the committed directory."""
+    _fsync_path(tmp)
+    # The same step saved again (e.g. twice by hand): never delete what the manifest may still
+    # name; the new copy gets a suffix and the old one leaves through the retention below.
+    base, n = final, 0
+    while final.exists():
+        n += 1
+        final = base.with_name(f"{base.name}.{n}")
+    os.rename(tmp, final)
+    _fsync_path(root)
+    manifest = {"path": final.name, "step": step, "world_size": world, "format": FORMAT_VERSION}
+    tmp_manifest = root / f".{MANIFEST}.tmp"
+    with open(tmp_manifest, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp_manifest, root / MANIFEST)  # the commit point
+    _fsync_path(root)
+    old = sorted(p for p in root.glob("step_*") if p.is_dir() and p != final)
+    for path in old[: max(0, len(old) - max(1, keep) + 1)]:
+        shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(
+    directory: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> dict[str, Any] | None:
+    """Load the latest complete checkpoint of ``directory`` into ``model`` and ``optimizer``.
+
+    Collective: call on every rank. This rank's RNG streams are restored too when the world size
+    is the one that saved (with another world size the model and optimizer still load, resharded
+    by DCP, but per-rank streams have no counterpart, so they are left alone with a warning).
+
+    Returns:
+        The ``trainer_state`` given to :func:`save_checkpoint` (with a ``"meta"`` entry), or
+        ``None`` when the directory holds no checkpoint.
+    """
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = latest_checkpoint(directory)
+    if path is None:
+        return None
+    rank, world = _dist()
+    trainer = torch.load(path / "trainer.pt", weights_only=True)
+    msd, osd = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": msd, "optim": osd}
+    with _single_process_quiet():
+        dcp_load(state, checkpoint_id=path / "state", no_dist=not _grouped())
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    saved_world = trainer["meta"]["world_size"]
+    if saved_world == world:
+        restore_rng(torch.load(path / f"rng_{rank}.pt", weights_only=True))
+    else:
+        warnings.warn(
+            f"checkpoint {path} was saved by {saved_world} ranks and is loaded by {world}: model, "
+            "optimizer, scaler and scheduler are restored, the per-rank RNG streams are not "
+            "(the run continues, but not bitwise as an uninterrupted one would)",
+            stacklevel=2,
+        )
+    return trainer

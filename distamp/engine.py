@@ -1,0 +1,434 @@
+"""DistAMP: one object that runs mixed-precision training under any data-parallel strategy.
+
+It owns the order of operations that is easy to get wrong by hand: wrap the model before the
+optimizer exists (FSDP), scale before backward, divide by the accumulation count, suppress gradient
+sync on all but the last micro-batch, unscale once before clipping, clip with the wrapper's own
+method, step and update the scaler, and step the LR scheduler only when the optimizer really
+stepped. Wrapping lives in :mod:`distamp.strategies`, saving in :mod:`distamp.checkpoint`,
+counters in :mod:`distamp.metrics`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distamp.checkpoint import load_checkpoint, save_checkpoint
+from distamp.metrics import Metrics, StepResult, WindowStats
+from distamp.policy import MPOwner, Precision, PrecisionLike, parse_precision, select_mp_owner
+from distamp.scaler import DistributedGradScaler
+from distamp.strategies import (
+    SHARDED,
+    STRATEGIES,
+    apply_strategy,
+    clip_grad_norm,
+    gradient_sync_disabled,
+    rebuild_optimizer,
+    resolve_strategy,
+)
+
+__all__ = ["AMPConfig", "DistAMP", "StepResult"]
+
+OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+SchedulerArg = Any  # an LRScheduler-like object (has .step), a factory `opt -> scheduler`, or None
+
+
+def make_scaler(device_type: str, enabled: bool) -> DistributedGradScaler:
+    """The engine's default scaler: rank-consistent skips (see :mod:`distamp.scaler`). Disabled
+    (every method a no-op, no sync, no collective) when the precision needs no loss scaling."""
+    return DistributedGradScaler(device=device_type, enabled=enabled)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AMPConfig:
+    """Validated settings of :class:`DistAMP` (see there for each field)."""
+
+    precision: Precision
+    strategy: str = "auto"
+    policy: Any = None
+    grad_accum_steps: int = 1
+    max_grad_norm: float | None = None
+    scaler: DistributedGradScaler | None = None
+    timeout: float = 300.0
+    device: torch.device | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r} is not one of {STRATEGIES}")
+        if self.policy is not None:
+            raise ValueError(
+                f"policy={self.policy!r}: per-module autocast policies are not supported yet; "
+                "pass policy=None (every module then follows torch.autocast's op rules)"
+            )
+        n = self.grad_accum_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"grad_accum_steps={n!r} must be an int >= 1")
+        g = self.max_grad_norm
+        if g is not None and (
+            isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0
+        ):
+            raise ValueError(f"max_grad_norm={g!r} must be a finite number > 0, or None")
+        if self.scaler is not None and not isinstance(self.scaler, DistributedGradScaler):
+            raise ValueError(
+                f"scaler={self.scaler!r} must be a distamp.DistributedGradScaler (or None): the "
+                "engine reads its rank-agreed skip decision, which torch's scalers do not provide"
+            )
+        if (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, (int, float))
+            or not self.timeout > 0
+        ):
+            raise ValueError(f"timeout={self.timeout!r} must be a number of seconds > 0")
+
+
+class DistAMP:
+    """Mixed-precision training engine.
+
+    Args:
+        precision: any spelling :func:`distamp.policy.parse_precision` accepts ("bf16", "fp16",
+            "16-mixed", torch.float16...). fp16 gets a :class:`~distamp.DistributedGradScaler`;
+            bf16 and fp32 need no loss scaling and get a disabled one.
+        strategy: "ddp", "fsdp" (FSDP1), "fsdp2" (``fully_shard``), "none", or "auto" (ddp when
+            more than one rank, else none).
+        policy: reserved for per-module autocast policies; must be ``None`` for now.
+        grad_accum_steps: micro-batches per optimizer step; each loss is divided by it.
+        max_grad_norm: clip the total gradient norm to this after unscaling; ``None``: no clip.
+        scaler: a scaler to use instead of the default one (e.g. ``sync_free=True``).
+        timeout: seconds for the rendezvous when :meth:`setup` has to initialize the group.
+        device: the training device; ``None``: this rank's CUDA device if any, else CPU.
+
+    Raises:
+        ValueError: a bad setting; the message names the field and echoes the value.
+    """
+
+    def __init__(
+        self,
+        precision: PrecisionLike = "bf16",
+        strategy: str = "auto",
+        policy: Any = None,
+        grad_accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+        scaler: DistributedGradScaler | None = None,
+        timeout: float | timedelta = 300.0,
+        device: str | torch.device | None = None,
+    ) -> None:
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
+        self.config = AMPConfig(
+            precision=parse_precision(precision),
+            strategy=strategy,
+            policy=policy,
+            grad_accum_steps=grad_accum_steps,
+            max_grad_norm=max_grad_norm,
+            scaler=scaler,
+            timeout=timeout,
+            device=_parse_device(device),
+        )
+        self.step_count = 0
+        self._micro = 0
+        self._model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.scaler: DistributedGradScaler = (
+            scaler if scaler is not None else make_scaler("cpu", False)
+        )
+        self.strategy = strategy
+        self.mp_owner: MPOwner = "none"
+        self.device = torch.device("cpu")
+        self.metrics = Metrics(self.device)
+        self._owns_group = False
+
+    @property
+    def precision(self) -> Precision:
+        return self.config.precision
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    @property
+    def model(self) -> nn.Module:
+        if self._model is None:
+            raise RuntimeError("DistAMP: call setup(model, optimizer) first")
+        return self._model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        if self._optimizer is None:
+            raise RuntimeError("DistAMP: call setup(model, optimizer) first")
+        return self._optimizer
+
+    # ------------------------------------------------------------------ setup
+    def setup(
+        self, model: nn.Module, optimizer: OptimizerArg, scheduler: SchedulerArg = None
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Move ``model`` to the device, wrap it for the strategy, and build what depends on it.
+
+        Pass the optimizer as a factory (``lambda params: AdamW(params, lr=...)``) to have it built
+        over the wrapped parameters. FSDP replaces the parameters, so an optimizer that was already
+        built is *rebuilt* for "fsdp"/"fsdp2": same class, same parameter groups (matched by
+        parameter name) and hyper-parameters, with a warning; use the returned one. One that has
+        already stepped (it holds state) cannot be carried over and raises ``ValueError``. The
+        scheduler may likewise be an instance or a factory ``lambda opt: ...``; an instance bound
+        to an optimizer that had to be rebuilt raises ``ValueError``. The scheduler ends up in
+        :attr:`scheduler`.
+
+        Returns:
+            ``(wrapped_model, optimizer)``.
+        """
+        if self._model is not None:
+            raise RuntimeError("DistAMP.setup() was already called: use one DistAMP per model")
+        if not (dist.is_available() and dist.is_initialized()):
+            from distamp.cluster import init_distributed
+
+            init_distributed(timeout=self.config.timeout)  # a no-op for a single process
+            self._owns_group = dist.is_available() and dist.is_initialized()
+        cfg = self.config
+        self.device = cfg.device or (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        self.strategy = resolve_strategy(cfg.strategy, self.world_size)
+        self.mp_owner = select_mp_owner(cfg.precision, self.strategy, self.device.type)
+        built = isinstance(optimizer, torch.optim.Optimizer)
+        if built and self.strategy in SHARDED and hasattr(scheduler, "step"):
+            raise ValueError(
+                f"scheduler: strategy={self.strategy!r} must rebuild the optimizer you passed, "
+                "so a scheduler bound to it would drive a stale one; pass factories instead: "
+                f"`lambda params: ...` and `lambda opt: {type(scheduler).__name__}(opt, ...)`"
+            )
+        names = {id(p): n for n, p in model.named_parameters()}
+        model = model.to(self.device)
+        fsdp_dtype = cfg.precision.compute_dtype if self.mp_owner == "fsdp" else None
+        wrapped = apply_strategy(
+            model, strategy=self.strategy, device=self.device, fsdp_dtype=fsdp_dtype
+        )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(list(wrapped.parameters()))
+        elif self.strategy in SHARDED:
+            optimizer = rebuild_optimizer(optimizer, names, wrapped, self.strategy)
+        if scheduler is not None and not hasattr(scheduler, "step"):
+            scheduler = scheduler(optimizer)
+        self.scaler = (
+            cfg.scaler
+            if cfg.scaler is not None
+            else make_scaler(self.device.type, cfg.precision.needs_scaler)
+        )
+        register = getattr(self.scaler, "register_module", None)
+        if self.strategy == "ddp" and callable(register):
+            register(wrapped)  # lets the scaler skip its collective when DDP already spread an inf
+        self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
+        self.metrics = Metrics(self.device)
+        return wrapped, optimizer
+
+    # ------------------------------------------------------------------ the step
+    def autocast(self) -> AbstractContextManager[Any]:
+        """The forward-pass context: ``torch.autocast`` on the model's device type with the
+        compute dtype (fp16 included on CPU), or nothing when fp32 or when FSDP's policy casts."""
+        if self.mp_owner != "autocast":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.precision.compute_dtype)
+
+    @property
+    def is_last_micro_step(self) -> bool:
+        """Whether the next ``backward`` completes an accumulation cycle (then ``step`` is due)."""
+        return self._micro + 1 >= self.config.grad_accum_steps
+
+    def accumulate(self) -> AbstractContextManager[None]:
+        """Wrap forward and backward of one micro-batch: all but the last micro-batch of a cycle
+        skip gradient communication (DDP/FSDP1 ``no_sync``, FSDP2's gradient sync flag)."""
+        if self.is_last_micro_step or self.strategy == "none":
+            return nullcontext()
+        return gradient_sync_disabled(self.model)
+
+    def backward(self, loss: torch.Tensor, *, tokens: int = 0) -> None:
+        """Scale ``loss``, divide it by ``grad_accum_steps`` and backpropagate. No host sync.
+
+        Args:
+            loss: this micro-batch's mean loss, as computed (unscaled, undivided).
+            tokens: tokens in the micro-batch, for the throughput figure.
+        """
+        n = self.config.grad_accum_steps
+        if self._micro >= n:
+            raise RuntimeError(
+                f"backward() called {self._micro + 1} times since the last step() with "
+                f"grad_accum_steps={n}: call step() after every {n} backward() calls"
+            )
+        self.metrics.record(loss, tokens)
+        scaled = loss / n if n > 1 else loss
+        self.scaler.scale(scaled).backward()
+        self._micro += 1
+
+    def step(self) -> StepResult:
+        """Unscale, clip, step the optimizer (unless gradients are non-finite on any rank), update
+        the scale, step the scheduler if the optimizer stepped, and zero the gradients.
+
+        Host syncs: those of the scaler's ``step`` (none for fused optimizers or ``sync_free``),
+        plus one to read the skip decision when a scheduler is attached (a Python scheduler cannot
+        be stepped conditionally on device).
+        """
+        opt, scaler, n = self.optimizer, self.scaler, self.config.grad_accum_steps
+        if self._micro != n:
+            raise RuntimeError(
+                f"step() after {self._micro} of grad_accum_steps={n} backward() calls: call "
+                "backward() once per micro-batch, then step() once per cycle"
+            )
+        norm = None
+        if self.config.max_grad_norm is not None:
+            scaler.unscale_(opt)  # once, so clipping sees true gradients (no-op when disabled)
+            norm = clip_grad_norm(self.model, self.model.parameters(), self.config.max_grad_norm)
+        scaler.step(opt)
+        scaler.update()
+        result = StepResult.capture(scaler, norm)
+        if self.scheduler is not None and result.stepped:  # host sync (see docstring)
+            self.scheduler.step()
+        opt.zero_grad(set_to_none=True)
+        self.metrics.end_step(norm)
+        self._micro = 0
+        self.step_count += 1
+        return result
+
+    def backward_and_step(self, loss: torch.Tensor, *, tokens: int = 0) -> StepResult | None:
+        """``backward(loss)``, then ``step()`` if that completed an accumulation cycle.
+
+        Returns:
+            The :class:`StepResult`, or ``None`` after a micro-batch that did not step.
+        """
+        self.backward(loss, tokens=tokens)
+        return self.step() if self._micro == self.config.grad_accum_steps else None
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The small, rank-identical state: step counter, scaler, scheduler (syncs: the scaler)."""
+        sched = self.scheduler.state_dict() if self.scheduler is not None else None
+        return {"step": self.step_count, "scaler": self.scaler.state_dict(), "scheduler": sched}
+
+    def save_state(self, directory: str | Path, *, keep: int = 2) -> Path:
+        """Save model, optimizer, scheduler, scaler, step counter and RNG streams atomically
+        (see :mod:`distamp.checkpoint`). Collective: call on every rank."""
+        if self._micro:
+            raise RuntimeError(
+                "save_state() in the middle of an accumulation cycle: call it after step()"
+            )
+        return save_checkpoint(
+            directory,
+            step=self.step_count,
+            model=self.model,
+            optimizer=self.optimizer,
+            trainer_state=self.state_dict(),
+            keep=keep,
+        )
+
+    def load_state(self, directory: str | Path) -> bool:
+        """Load the latest checkpoint of ``directory``, if any. Collective: call on every rank.
+
+        Returns:
+            True if a checkpoint was loaded, False if the directory holds none.
+        """
+        state = load_checkpoint(directory, model=self.model, optimizer=self.optimizer)
+        if state is None:
+            return False
+        self.step_count = int(state["step"])
+        if state["scaler"]:  # {} when it was saved disabled (bf16/fp32)
+            self.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        return True
+
+    def close(self) -> None:
+        """Finish the job cleanly on every rank. Collective: call on every rank.
+
+        A barrier first, so that no rank tears down its communication while a peer is still
+        sending (over gloo that aborts the late process at exit), then the process group is
+        destroyed if :meth:`setup` created it. Idempotent.
+        """
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            if self._owns_group:
+                dist.destroy_process_group()
+        self._owns_group = False
+
+    # ------------------------------------------------------------------ the loop
+    def fit(
+        self,
+        batch: Callable[[int], Any],
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+        *,
+        steps: int,
+        tokens_per_batch: int = 0,
+        log_interval: int = 10,
+        on_log: Callable[[WindowStats], None] | None = None,
+        on_step: Callable[[int], None] | None = None,
+        stop_requested: Callable[[], bool] | None = None,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_interval: int = 0,
+    ) -> WindowStats | None:
+        """Train from :attr:`step_count` up to ``steps`` optimizer steps.
+
+        Args:
+            batch: ``batch(k)`` returns this rank's micro-batch number ``k`` (counted over the
+                whole run). An index rather than an iterator makes a resumed run draw exactly the
+                batches an uninterrupted one would, with no loader state to save.
+            loss_fn: ``loss_fn(model, batch)`` returns the mean loss; it runs under autocast.
+            steps: the optimizer step to stop at.
+            tokens_per_batch: tokens in one micro-batch, for the throughput figure.
+            log_interval: collect metrics (one collective, a few host syncs) every this many
+                steps and at the end.
+            on_log: called on every rank with each collected window.
+            on_step: called after every step with the step count (e.g. a progress bar).
+            stop_requested: polled at each logging step (e.g. a signal flag); if it is true on
+                any rank, every rank stops there, saves (with ``checkpoint_dir``) and returns.
+            checkpoint_dir: where to save every ``checkpoint_interval`` steps and at the end.
+            checkpoint_interval: steps between saves; 0: only at the end.
+
+        Returns:
+            The last collected window (``None`` if there was nothing to do).
+        """
+        n, stats, model = self.config.grad_accum_steps, None, self.model
+        saved_at = self.step_count  # a resumed run that has nothing left to do saves nothing
+        while self.step_count < steps:
+            for micro in range(n):
+                with self.accumulate():
+                    with self.autocast():
+                        loss = loss_fn(model, batch(self.step_count * n + micro))
+                    self.backward(loss, tokens=tokens_per_batch)
+            self.step()
+            done = self.step_count
+            if on_step is not None:
+                on_step(done)
+            if done % log_interval == 0 or done == steps:
+                stop = bool(stop_requested()) if stop_requested is not None else False
+                stats = self.metrics.collect(step=done, scaler=self.scaler, stop=stop)
+                if on_log is not None:
+                    on_log(stats)
+                if stats.stop:
+                    break
+            if (
+                checkpoint_dir is not None
+                and checkpoint_interval
+                and done % checkpoint_interval == 0
+            ):
+                self.save_state(checkpoint_dir)
+                saved_at = done
+        if checkpoint_dir is not None and saved_at != self.step_count:
+            self.save_state(checkpoint_dir)
+        return stats
+
+
+def _parse_device(device: str | torch.device | None) -> torch.device | None:
+    if device is None or isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device: {exc}") from None

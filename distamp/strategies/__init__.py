@@ -1,0 +1,186 @@
+"""Parallelization strategies: wrapping, gradient-sync suppression and clipping, per wrapper.
+
+Everything here that depends on the wrapper type (DDP, FSDP1, FSDP2) lives in this module, so
+the engine never inspects a wrapper itself. The wrap functions are plain keyword-only functions
+(:func:`apply_ddp`, :func:`apply_fsdp1`, :func:`apply_fsdp2`); :func:`apply_strategy` picks one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distamp.strategies.ddp import apply_ddp
+from distamp.strategies.fsdp import (
+    apply_fsdp1,
+    apply_fsdp2,
+    fsdp1_mixed_precision,
+    fsdp2_mixed_precision,
+)
+
+__all__ = [
+    "STRATEGIES",
+    "apply_ddp",
+    "apply_fsdp1",
+    "apply_fsdp2",
+    "apply_strategy",
+    "clip_grad_norm",
+    "gradient_sync_disabled",
+    "rebuild_optimizer",
+    "resolve_strategy",
+]
+
+STRATEGIES: tuple[str, ...] = ("auto", "none", "ddp", "fsdp", "fsdp2")
+SHARDED: tuple[str, ...] = ("fsdp", "fsdp2")
+
+
+def resolve_strategy(strategy: str, world_size: int) -> str:
+    """Turn ``"auto"`` into a concrete strategy: DDP with more than one rank, else none.
+
+    Auto never picks FSDP: sharding changes what the optimizer and checkpoints hold, which is a
+    choice the user should make knowingly.
+    """
+    if strategy == "auto":
+        return "ddp" if world_size > 1 else "none"
+    return strategy
+
+
+def apply_strategy(
+    model: nn.Module,
+    *,
+    strategy: str,
+    device: torch.device,
+    fsdp_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Wrap ``model`` (already on ``device``) for a resolved ``strategy``.
+
+    Args:
+        strategy: ``"none"``, ``"ddp"``, ``"fsdp"`` or ``"fsdp2"``.
+        fsdp_dtype: compute dtype for FSDP's own mixed-precision policy, when it owns mixed
+            precision (see :func:`distamp.policy.select_mp_owner`); ``None``: no FSDP policy.
+
+    Raises:
+        ValueError: unknown strategy, or a distributed strategy without a process group.
+    """
+    if strategy not in STRATEGIES or strategy == "auto":
+        raise ValueError(
+            f"strategy={strategy!r} is not one of {STRATEGIES[1:]} (resolve 'auto' first)"
+        )
+    if strategy == "none":
+        return model
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"strategy={strategy!r} needs a torch.distributed process group: start the job with "
+            "a launcher (torchrun, mpirun, srun, `distamp launch`) and call "
+            "distamp.init_distributed() first, or use strategy='none' for one process"
+        )
+    if strategy == "ddp":
+        return apply_ddp(model, device=device)
+    if strategy == "fsdp":
+        mp1 = fsdp1_mixed_precision(fsdp_dtype) if fsdp_dtype is not None else None
+        return apply_fsdp1(model, device=device, mp_policy=mp1)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp2 = fsdp2_mixed_precision(fsdp_dtype) if fsdp_dtype is not None else None
+    return apply_fsdp2(model, mesh=mesh, mp_policy=mp2)
+
+
+@contextmanager
+def _fsdp2_no_sync(model: nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def gradient_sync_disabled(model: nn.Module) -> AbstractContextManager[None]:
+    """A context in which backward accumulates local gradients without communicating.
+
+    DDP and FSDP1 have ``no_sync()``; FSDP2 has ``set_requires_gradient_sync(False)`` (restored on
+    exit). Unwrapped modules need nothing. Forward and backward must both run inside it.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return _fsdp2_no_sync(model)
+    no_sync = getattr(model, "no_sync", None)
+    return no_sync() if callable(no_sync) else nullcontext()
+
+
+def clip_grad_norm(
+    model: nn.Module, params: Iterable[torch.Tensor], max_norm: float
+) -> torch.Tensor:
+    """Clip the gradients of ``params`` to total norm ``max_norm``; return the norm before
+    clipping as a plain 0-dim tensor on the gradients' device (no host sync).
+
+    FSDP1 must use its own ``clip_grad_norm_``: each rank holds a shard of a flat gradient and only
+    the wrapper knows how to combine the shards' norms. FSDP2's gradients are DTensors, for which
+    ``torch.nn.utils.clip_grad_norm_`` reduces across the mesh itself; its DTensor result is made
+    whole with ``full_tensor()``. DDP's gradients are replicated, so the local norm is the norm.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        return model.clip_grad_norm_(max_norm)
+    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+    full = getattr(norm, "full_tensor", None)
+    return full() if callable(full) else norm
+
+
+def rebuild_optimizer(
+    old: torch.optim.Optimizer, names: dict[int, str], wrapped: nn.Module, strategy: str
+) -> torch.optim.Optimizer:
+    """Rebuild ``old`` over the parameters of ``wrapped`` after FSDP replaced them.
+
+    Parameter groups are matched by name (``names`` maps ``id`` of each original parameter to
+    its name before wrapping; FSDP1's wrapper prefixes are stripped), so per-group settings such
+    as "no weight decay on biases" survive. The class and its defaults are reused as they are.
+
+    Raises:
+        ValueError: ``old`` has already stepped: its state belongs to parameters that are gone.
+    """
+    if old.state:
+        raise ValueError(
+            f"optimizer: strategy={strategy!r} replaces the parameters, and this "
+            f"{type(old).__name__} has already stepped (its state cannot follow); pass a factory "
+            f"`lambda params: {type(old).__name__}(params, ...)` to setup() instead"
+        )
+    group_of = {
+        names[id(p)]: i
+        for i, g in enumerate(old.param_groups)
+        for p in g["params"]
+        if id(p) in names
+    }
+    groups: list[dict[str, Any]] = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in old.param_groups
+    ]
+    for name, p in wrapped.named_parameters():
+        clean = name.replace("_fsdp_wrapped_module.", "")
+        if clean in group_of:
+            groups[group_of[clean]]["params"].append(p)
+    if not any(g["params"] for g in groups):
+        raise ValueError(
+            f"optimizer: none of the {type(old).__name__}'s parameters belong to the model passed "
+            "to setup(); build it over this model's parameters, or pass a factory"
+        )
+    warnings.warn(
+        f"setup(): strategy={strategy!r} replaces the model's parameters, so the "
+        f"{type(old).__name__} passed in was rebuilt over the sharded ones (same class, groups and "
+        "hyper-parameters): use the optimizer setup() returns. Pass a factory "
+        f"`lambda params: {type(old).__name__}(params, ...)` to build it only once.",
+        stacklevel=3,
+    )
+    # Each group carries every hyper-parameter already; the constructor gets the defaults it
+    # accepts (some classes store derived entries in `defaults`, e.g. AdamW's decoupled flag).
+    accepted = inspect.signature(type(old).__init__).parameters
+    defaults = {k: v for k, v in old.defaults.items() if k in accepted}
+    return type(old)([g for g in groups if g["params"]], **defaults)

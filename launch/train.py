@@ -1,0 +1,174 @@
+"""The main job: a byte-level GPT trained on a public-domain play through distamp's engine.
+
+    python launch/train.py                                   # one process
+    torchrun --standalone --nproc-per-node 2 launch/train.py # or mpirun -np 2, srun, distamp launch
+
+Rank 0 draws a progress line on stderr and prints ONE JSON object as its last stdout line
+(final_loss, steps, skipped_steps, loss_scale, tokens_per_s, world_size, precision, strategy...).
+The same seed gives the same final loss whichever launcher started the ranks; ``--out DIR
+--resume`` continues from the last checkpoint to the same final state, bitwise on CPU. SIGUSR1 or
+SIGTERM (a scheduler's "time is nearly up") makes every rank stop at the next logging step, save
+to ``--out`` and exit 0, which is what the sbatch scripts in ``multinode/`` rely on to requeue.
+
+The precision defaults to fp16 so that every default run exercises the loss scaler, the piece of
+distamp that bf16 does not need. On CPUs without fp16 matrix units that is ~8x slower than fp32,
+which is why the default step count is modest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `launch.model` (and a checkout)
+from distamp.cluster import init_distributed
+from distamp.engine import DistAMP
+from distamp.metrics import ProgressPrinter
+from launch.model import DATA_FILE, GPT, GPTConfig, ShardedText, lm_loss, load_text
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--steps", type=int, default=300, help="optimizer steps (the LR schedule's length)"
+    )
+    p.add_argument("--precision", default="fp16", help="fp16 | bf16 | fp32, or 16-mixed, ...")
+    p.add_argument("--strategy", default="auto", help="auto | ddp | fsdp | fsdp2 | none")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip norm; 0 disables")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch per rank")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
+    p.add_argument("--log-interval", type=int, default=10, help="steps between metric syncs")
+    p.add_argument("--out", type=Path, default=None, help="checkpoints + metrics.jsonl")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--checkpoint-interval", type=int, default=0, help="0: save at the end only")
+    p.add_argument("--stop-at", type=int, default=None, help="save and stop after this step")
+    p.add_argument("--data", type=Path, default=DATA_FILE, help="any text file")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0: cores/ranks)")
+    p.add_argument("--timeout", type=float, default=300.0, help="rendezvous timeout, seconds")
+    args = p.parse_args(argv)
+    if args.resume and args.out is None:
+        p.error("--resume needs --out DIR (where the checkpoints are)")
+    for name in ("steps", "batch_size", "log_interval", "grad_accum"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
+    """LR multiplier: linear warm-up, then cosine decay to 10% at ``total`` steps."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def stop_flag() -> threading.Event:
+    """An event set by SIGUSR1/SIGTERM: the engine polls it and all ranks stop together."""
+    event = threading.Event()
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        event.set()
+        print(
+            f"\nsignal {signal.Signals(signum).name}: saving at the next log step", file=sys.stderr
+        )
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, handler)
+    return event
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    env = init_distributed(timeout=args.timeout)
+    # Same thread count under every launcher (torchrun sets OMP_NUM_THREADS=1, mpirun does not):
+    # CPU kernels may split reductions by thread, so this is part of the determinism.
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
+    torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
+    torch.manual_seed(args.seed)  # identical init on every rank (FSDP does not broadcast it)
+    cfg = GPTConfig()
+    amp = DistAMP(
+        precision=args.precision,
+        strategy=args.strategy,
+        grad_accum_steps=args.grad_accum,
+        max_grad_norm=args.max_grad_norm or None,
+        timeout=args.timeout,
+    )
+    amp.setup(
+        GPT(cfg),
+        lambda params: torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1),
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps)),
+    )
+    data = ShardedText(
+        load_text(args.data),
+        context=cfg.context,
+        batch_size=args.batch_size,
+        rank=env.rank,
+        world_size=amp.world_size,
+        seed=args.seed,
+        device=amp.device,
+    )
+    resumed = amp.load_state(args.out) if args.resume else False
+    start_step, end = amp.step_count, min(args.steps, args.stop_at or args.steps)
+    stop = stop_flag()
+    printer = ProgressPrinter(end, jsonl=args.out / "metrics.jsonl" if args.out else None)
+    main_rank = env.rank == 0
+    t0 = time.perf_counter()
+    stats = amp.fit(
+        data.batch,
+        lm_loss,
+        steps=end,
+        tokens_per_batch=data.tokens_per_batch,
+        log_interval=args.log_interval,
+        on_log=printer.log if main_rank else None,
+        on_step=printer.step if main_rank else None,
+        stop_requested=stop.is_set,
+        checkpoint_dir=args.out,
+        checkpoint_interval=args.checkpoint_interval,
+    )
+    wall = time.perf_counter() - t0
+    if main_rank:
+        printer.close()
+        tokens = (amp.step_count - start_step) * args.grad_accum * data.tokens_per_batch
+        summary = {
+            "final_loss": stats.last_loss if stats else None,
+            "window_loss": stats.loss if stats else None,
+            "steps": amp.step_count,
+            "skipped_steps": stats.skipped_steps if stats else amp.scaler.skipped_steps,
+            "loss_scale": stats.loss_scale if stats else None,
+            "grad_norm": stats.grad_norm if stats else None,
+            "tokens_per_s": tokens * amp.world_size / wall if wall > 0 else None,
+            "world_size": amp.world_size,
+            "precision": str(amp.precision),
+            "strategy": amp.strategy,
+            "launcher": env.launcher,
+            "resumed_from": start_step if resumed else None,
+            "stopped_by_signal": bool(stats and stats.stop),
+            "train_s": round(wall, 3),
+        }
+        print(json.dumps(summary), flush=True)
+    amp.close()  # a barrier: no rank tears down while a peer still sends
+    if torch.distributed.is_initialized():  # the group came from init_distributed above
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

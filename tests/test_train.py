@@ -1,0 +1,105 @@
+"""The main job end to end: real launchers, its JSON line, resume, and mixed-precision parity.
+
+Every run is a subprocess in its own session with a hard timeout; a hung run is killed with all
+its ranks. Runs are short (tens of steps) so the whole file stays well under a minute and a half
+on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _dist import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "launch" / "train.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+KEYS = {
+    "final_loss", "steps", "skipped_steps", "loss_scale", "tokens_per_s",
+    "world_size", "precision", "strategy",
+}  # fmt: skip
+# Variables a launcher sets: a test run must not inherit them from whatever started pytest.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT", "DISTAMP_LAUNCHER", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+def _run(cmd: list[str], timeout: float = 120) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s\n{err[-3000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{err[-3000:]}"
+    lines = out.strip().splitlines()
+    assert lines, f"no stdout from {' '.join(cmd)}\n{err[-3000:]}"
+    result = json.loads(lines[-1])
+    assert result.keys() >= KEYS, result
+    return result
+
+
+def _torchrun(*args: str) -> dict[str, Any]:
+    return _run([*TORCHRUN, TRAIN, *args])
+
+
+def test_torchrun_json_line_and_resume_is_bitwise(tmp_path: Path) -> None:
+    common = ["--steps", "12", "--log-interval", "4", "--precision", "fp16"]
+    whole = _torchrun(*common)
+    assert whole["steps"] == 12 and whole["world_size"] == 2 and whole["strategy"] == "ddp"
+    assert whole["precision"] == "fp16" and whole["loss_scale"] == 2.0**16
+    assert whole["skipped_steps"] == 0 and whole["tokens_per_s"] > 0
+    assert whole["final_loss"] < 5.0  # from ln(256) = 5.55
+
+    ckpt = str(tmp_path / "ckpt")
+    first = _torchrun(*common, "--out", ckpt, "--stop-at", "5")
+    assert first["steps"] == 5 and (tmp_path / "ckpt" / "step_00000005").is_dir()
+    second = _torchrun(*common, "--out", ckpt, "--resume")
+    assert second["resumed_from"] == 5 and second["steps"] == 12
+    for key in ("final_loss", "grad_norm", "loss_scale", "skipped_steps"):
+        assert second[key] == whole[key], (key, second, whole)  # bitwise: exact equality
+    lines = (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [4, 5, 8, 12]
+
+
+def test_mixed_precision_final_loss_within_2_percent_of_fp32() -> None:
+    losses = {
+        p: _torchrun("--steps", "40", "--log-interval", "20", "--precision", p)["final_loss"]
+        for p in ("fp32", "bf16", "fp16")
+    }
+    for p in ("bf16", "fp16"):
+        delta = abs(losses[p] - losses["fp32"]) / losses["fp32"]
+        assert delta < 0.02, f"{p}: {losses[p]:.5f} vs fp32 {losses['fp32']:.5f} ({delta:.2%})"
+        print(f"{p}: final loss {losses[p]:.5f} vs fp32 {losses['fp32']:.5f}: {delta:.4%}")
+
+
+def test_single_process() -> None:
+    result = _run(
+        [sys.executable, TRAIN, "--steps", "3", "--log-interval", "1", "--precision", "bf16"]
+    )
+    assert result["world_size"] == 1 and result["strategy"] == "none" and result["steps"] == 3
+    assert result["loss_scale"] == 1.0  # bf16: no loss scaling
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun is not on PATH")
+def test_same_seed_same_loss_under_torchrun_and_mpirun() -> None:
+    args = ["--steps", "10", "--log-interval", "5", "--precision", "bf16", "--seed", "3"]
+    mpirun = [
+        "mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe",
+        "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}",
+    ]  # fmt: skip
+    via_mpi = _run([*mpirun, sys.executable, TRAIN, *args])
+    via_torchrun = _torchrun(*args)
+    assert via_mpi["world_size"] == 2 and via_mpi["final_loss"] == via_torchrun["final_loss"]
