@@ -30,7 +30,6 @@ from distamp.strategies import (
     SHARDED,
     STRATEGIES,
     apply_strategy,
-    clip_grad_norm,
     gradient_sync_disabled,
     rebuild_optimizer,
     resolve_strategy,
@@ -224,9 +223,8 @@ class DistAMP:
             if cfg.scaler is not None
             else make_scaler(self.device.type, cfg.precision.needs_scaler)
         )
-        register = getattr(self.scaler, "register_module", None)
-        if self.strategy == "ddp" and callable(register):
-            register(wrapped)  # lets the scaler skip its collective when DDP already spread an inf
+        # Names for reports; DDP: no extra collective; FSDP1: which parameters are shards.
+        self.scaler.register_module(wrapped)
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
         self.metrics = Metrics(self.device)
         return wrapped, optimizer
@@ -285,8 +283,9 @@ class DistAMP:
             )
         norm = None
         if self.config.max_grad_norm is not None:
-            scaler.unscale_(opt)  # once, so clipping sees true gradients (no-op when disabled)
-            norm = clip_grad_norm(self.model, self.model.parameters(), self.config.max_grad_norm)
+            # Unscale + overflow check + norm in one pass and one collective, clip factor applied
+            # once (inside a fused optimizer's step); also clips when the scaler is disabled.
+            norm = scaler.clip_grad_norm_(opt, self.config.max_grad_norm)
         scaler.step(opt)
         scaler.update()
         result = StepResult.capture(scaler, norm)

@@ -51,10 +51,23 @@ class FlagReducer:
             return torch.device("cuda", torch.cuda.current_device())
         return preferred
 
+    @property
+    def size(self) -> int:
+        """How many ranks the reduction spans (1 for a no-op)."""
+        n = 1
+        for group in self.groups:
+            n *= dist.get_world_size(group)
+        return n
+
     def all_reduce_max_(self, flags: torch.Tensor) -> None:
         """MAX-reduce ``flags`` in place across the group (asynchronous on CUDA: no host sync)."""
+        self.all_reduce_(flags, dist.ReduceOp.MAX)
+
+    def all_reduce_(self, tensor: torch.Tensor, op: Any) -> None:
+        """Reduce ``tensor`` in place with ``op`` (MAX or SUM), dimension by dimension of a mesh:
+        both are associative, so the result is the reduction over every rank."""
         for group in self.groups:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(tensor, op=op, group=group)
 
 
 def _from_mesh(mesh: Any) -> FlagReducer:
@@ -104,21 +117,37 @@ def resolve_group(process_group: GroupSpec, params: Iterable[torch.Tensor]) -> F
     return FlagReducer((dist.group.WORLD,), dist.get_backend())
 
 
-def reduce_flags(reducer: FlagReducer, flags: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """MAX-reduce several 0-dim float32 flags across ranks with a single collective.
+def reduce_flags(
+    reducer: FlagReducer,
+    flags: Sequence[torch.Tensor],
+    extra: torch.Tensor | None = None,
+    extra_op: str = "max",
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Reduce several 0-dim float32 flags (and optionally one more number) in ONE collective.
 
     The flags are packed into one tensor in a fixed order (the caller's), so every rank issues the
-    same collective with the same shape whatever devices or dtypes its gradients had.
+    same collective with the same shape whatever devices or dtypes its gradients had. ``extra``
+    (a clipping norm term) rides in the same tensor: with ``extra_op="sum"`` the whole pack is
+    SUM-reduced and the flags are folded back to {0, 1} (a sum of flags is > 0 exactly when their
+    maximum is 1), so flags and norm still cost one collective.
 
     Returns:
-        One 0-dim float32 tensor per input flag, on that flag's device, holding the group maximum.
+        One 0-dim float32 tensor per input flag, on that flag's device, holding the group maximum;
+        and the reduced ``extra`` (or ``None``).
     """
-    if not flags:
-        return []
-    if reducer.is_noop:
-        return list(flags)
-    home = flags[0].device
+    if extra_op not in ("max", "sum"):
+        raise ValueError(f"extra_op must be 'max' or 'sum', got {extra_op!r}")
+    if reducer.is_noop or (not flags and extra is None):
+        return list(flags), extra
+    home = flags[0].device if flags else extra.device  # type: ignore[union-attr]
     device = reducer.device_for(home)
-    packed = torch.stack([f.to(device, non_blocking=True) for f in flags])
-    reducer.all_reduce_max_(packed)
-    return [packed[i].to(f.device, non_blocking=True) for i, f in enumerate(flags)]
+    items = [*flags, *(() if extra is None else (extra,))]
+    packed = torch.stack([t.to(device, dtype=torch.float32, non_blocking=True) for t in items])
+    if extra is not None and extra_op == "sum":
+        reducer.all_reduce_(packed, dist.ReduceOp.SUM)
+        agreed = (packed[: len(flags)] > 0).float()
+    else:
+        reducer.all_reduce_max_(packed)
+        agreed = packed[: len(flags)]
+    out = [agreed[i].to(f.device, non_blocking=True) for i, f in enumerate(flags)]
+    return out, (None if extra is None else packed[-1].to(extra.device, non_blocking=True))

@@ -24,12 +24,25 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from distamp import reduction
+from distamp.clipping import (
+    check_clip_args,
+    clip_coefficient,
+    local_norm_term,
+    scale_grads_,
+    total_norm,
+)
 from distamp.kernels import unscale_and_check_
 from distamp.scale_update import ScaleRule, update_scale_
 from distamp.scaler_config import check_device, check_scaler_args, validate_state_dict
 from distamp.sync_free import masked_step
 
 __all__ = ["DistributedGradScaler", "ScaleUnderflowError", "ScalerStateError"]
+
+
+FP16_GRADS = (
+    "Attempting to unscale FP16 gradients: the parameters themselves are fp16. Keep parameters "
+    "in fp32 and let autocast cast them per op (or use precision='bf16', which needs no scaler)."
+)
 
 
 class ScaleUnderflowError(RuntimeError):
@@ -119,6 +132,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
         self._ddp_param_ids: set[int] = set()
         self._ddp_synced_forward = False
         self._param_names: dict[int, str] = {}
+        self._shard_groups: dict[int, int] = {}  # FSDP1 parameter id -> its shard group's size
         self.collectives_issued = 0  # how many found_inf collectives this scaler issued
 
     # ------------------------------------------------------------------ lazily created state
@@ -143,16 +157,22 @@ class DistributedGradScaler(torch.amp.GradScaler):
     def register_module(self, module: torch.nn.Module) -> None:
         """Tell the scaler about the model, for parameter names and DDP's guarantee.
 
-        For a ``DistributedDataParallel`` module, an optimizer whose parameters are all synchronised
+        For an FSDP1 module it records which parameters are shards, so that
+        :meth:`clip_grad_norm_` counts each element once. For a ``DistributedDataParallel``
+        module, an optimizer whose parameters are all synchronised
         by it needs no extra collective: DDP's all-reduce already carried any inf/NaN to every rank.
         The guarantee is re-checked every step: if the last forward ran under ``no_sync()`` (or a
         parameter is not synchronised by DDP), the flags are reduced as usual.
         """
+        from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.nn.parallel import DistributedDataParallel
 
         inner = module.module if isinstance(module, DistributedDataParallel) else module
         for name, p in inner.named_parameters():
             self._param_names[id(p)] = name
+        if isinstance(module, FullyShardedDataParallel):  # clipping counts each shard once
+            shard = torch.distributed.get_world_size(module.process_group)
+            self._shard_groups.update((id(p), shard) for p in module.parameters())
         if not isinstance(module, DistributedDataParallel):
             return
         ignored = set(getattr(module, "parameters_to_ignore", ()))
@@ -197,11 +217,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
                 if grad is None:
                     continue
                 if not allow_fp16 and grad.dtype == torch.float16:
-                    raise ValueError(
-                        "Attempting to unscale FP16 gradients: the parameters themselves are fp16. "
-                        "Keep parameters in fp32 and let autocast cast them per op (or use "
-                        "precision='bf16', which needs no scaler)."
-                    )
+                    raise ValueError(FP16_GRADS)
                 if hasattr(grad, "to_local"):  # DTensor (FSDP2): each rank checks its own shard
                     grad = grad.to_local()
                 if grad.is_sparse:
@@ -234,8 +250,9 @@ class DistributedGradScaler(torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update(): "
-                "call it once per optimizer step, after the last micro-batch's backward."
+                "unscale_() has already been called on this optimizer since the last update() "
+                "(clip_grad_norm_ unscales too): call it once per optimizer step, after the last "
+                "micro-batch's backward."
             )
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError(
@@ -243,14 +260,10 @@ class DistributedGradScaler(torch.amp.GradScaler):
                 "update() to start the next iteration."
             )
         self._prepare(optimizer)
-        # FP32 division can be imprecise for some scales: take the reciprocal in FP64 (as torch).
-        inv_scale = (
-            scale.double().reciprocal().float()
-            if scale.device.type != "mps"
-            else scale.reciprocal()
-        )
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
+        state["found_inf_per_device"] = self._unscale_grads_(
+            optimizer, _reciprocal(scale), found_inf, False
+        )
         state["found_inf"] = None
         state["stage"] = OptState.UNSCALED
 
@@ -265,44 +278,153 @@ class DistributedGradScaler(torch.amp.GradScaler):
         return state["found_inf_per_device"]
 
     # ------------------------------------------------------------------ the one collective
-    def _reduce_pending(self) -> None:
-        """Agree on every unreduced flag of this step with ONE collective.
-
-        The order of optimizers is the order in which they were unscaled, which is the same on
-        every rank in SPMD code, so the packed tensor lines up across ranks.
-        """
-        pending = [
+    def _pending(self) -> list[tuple[int, dict[str, Any]]]:
+        return [
             (key, st)
             for key, st in self._per_optimizer_states.items()
             if st["found_inf_per_device"] and st["found_inf"] is None
         ]
-        if not pending:
-            return
-        scale_device = self._scale.device if self._scale is not None else torch.device("cpu")
+
+    def _reducer_for(self, keys: list[int]) -> reduction.FlagReducer:
+        """The group that must agree for these optimizers; a no-op when DDP covers them all."""
+        need = [k for k in keys if not self._per_optimizer_states[k].get("ddp_covered", False)]
+        reducers = {id(self._reducers[k]): self._reducers[k] for k in need}
+        if len(reducers) == 1:
+            return next(iter(reducers.values()))
+        if not reducers:
+            return reduction.FlagReducer((), None)
+        # Optimizers on different groups: the default group is a superset of all of them.
+        return reduction.resolve_group(self._process_group or _world(), ())
+
+    def _reduce_pending(
+        self,
+        extra: torch.Tensor | None = None,
+        extra_op: str = "max",
+        reducer: reduction.FlagReducer | None = None,
+    ) -> torch.Tensor | None:
+        """Agree on every unreduced flag of this step (and ``extra``, a norm term) with ONE
+        collective; return the reduced ``extra``.
+
+        The order of optimizers is the order in which they were unscaled, which is the same on
+        every rank in SPMD code, so the packed tensor lines up across ranks.
+        """
+        pending = self._pending()
+        if not pending and extra is None:
+            return None
+        if reducer is None:
+            reducer = self._reducer_for([key for key, _ in pending])
+        scale = getattr(self, "_scale", None)  # torch does not create it when disabled
+        scale_device = (
+            scale.device
+            if scale is not None
+            else (extra.device if extra is not None else torch.device("cpu"))
+        )
         local = []
         for _, st in pending:
             flags = [
                 f.to(scale_device, non_blocking=True) for f in st["found_inf_per_device"].values()
             ]
             local.append(flags[0] if len(flags) == 1 else torch.stack(flags).amax())
-        need = [key for key, st in pending if not st.get("ddp_covered", False)]
-        reducers = {id(self._reducers[k]): self._reducers[k] for k in need}
-        if len(reducers) == 1:
-            reducer = next(iter(reducers.values()))
-        elif not reducers:
-            reducer = reduction.FlagReducer((), None)
-        else:  # optimizers on different groups: the default group is a superset of all of them
-            reducer = reduction.resolve_group(self._process_group or _world(), ())
         if not reducer.is_noop:
             self.collectives_issued += len(reducer.groups)
-        agreed = reduction.reduce_flags(reducer, local)
-        # Optimizers unscaled together are skipped together: whatever ran between unscale_ and
-        # step (typically one clip_grad_norm_ over all parameters) mixed their gradients, so an
-        # inf in one made the others' gradients rank-dependent (clip coefficient 0 on one rank).
-        flag = agreed[0] if len(agreed) == 1 else torch.stack(agreed).amax()
-        for _, st in pending:
-            st["found_inf"] = flag
-            st["found_inf_per_device"] = {scale_device: flag}
+        agreed, extra = reduction.reduce_flags(reducer, local, extra, extra_op)
+        if agreed:
+            # Optimizers unscaled together are skipped together: whatever ran between unscale_
+            # and step (typically one clip_grad_norm_ over all parameters) mixed their gradients,
+            # so an inf in one made the others' gradients rank-dependent (clip coefficient 0 on
+            # one rank).
+            flag = agreed[0] if len(agreed) == 1 else torch.stack(agreed).amax()
+            for _, st in pending:
+                st["found_inf"] = flag
+                st["found_inf_per_device"] = {scale_device: flag}
+        return extra
+
+    # ------------------------------------------------------------------ clipping
+    def clip_grad_norm_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Unscale and clip the optimizer's gradients to total norm ``max_norm``, across ranks.
+
+        Replaces ``scaler.unscale_(opt)`` + ``torch.nn.utils.clip_grad_norm_(params, max_norm)``
+        (same numbers within fp32 rounding) at a fraction of the memory traffic: for the 2-norm
+        ONE read pass yields the overflow flag and the sum of squares of the unscaled gradients,
+        the flag and the sum travel in ONE collective (none under a registered DDP module), and
+        ``inv_scale * clip_coef`` is applied once: by fused optimizers (``fused=True``) inside
+        their own step through ``grad_scale`` (their ``.grad`` then stays scaled), otherwise in
+        one multiply pass. The norm counts every element once whatever holds it: DDP replicas,
+        FSDP1 shards (register the FSDP module with :meth:`register_module`; the engine does),
+        FSDP2/HSDP DTensors. Other ``norm_type`` values unscale first, then reduce likewise.
+        With the scaler disabled it clips (bf16/fp32 training) with the same one collective.
+
+        Returns:
+            The total norm of the unscaled gradients before clipping, a 0-dim float32 tensor
+            (no host sync; non-finite when a gradient is, and the step is then skipped).
+        """
+        max_norm, norm_type = check_clip_args(max_norm, norm_type)
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError(
+                "clip_grad_norm_() is being called after step(): clip before stepping, then "
+                "call update() to start the next iteration."
+            )
+        if state.get("clipped"):
+            raise RuntimeError(
+                "clip_grad_norm_() has already been called on this optimizer since the last "
+                "update(): clip once per optimizer step."
+            )
+        fused = _is_fused(optimizer)
+        deferred = self._enabled and state["stage"] is OptState.READY and norm_type == 2.0
+        if self._enabled:
+            scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
+            home = scale.device
+            if state["stage"] is OptState.READY and not deferred:
+                self.unscale_(optimizer)  # p-norms other than 2 read unscaled gradients
+        else:
+            scale, home = None, _grad_device(optimizer)
+        self._prepare(optimizer)
+        found_inf = torch.zeros((), dtype=torch.float32, device=home)
+        inv_scale = torch.ones((), dtype=torch.float32, device=home)
+        if deferred:
+            assert scale is not None
+            if not fused:
+                _reject_fp16_grads(optimizer)
+            inv_scale = _reciprocal(scale)
+            state["found_inf_per_device"] = {home: found_inf}  # filled by the pass below
+            state["found_inf"] = None
+        reducer = self._reducer_for([k for k, _ in self._pending()] + [id(optimizer)])
+        term, grads = local_norm_term(
+            _params(optimizer),
+            norm_type=norm_type,
+            inv_scale=inv_scale,
+            found_inf=found_inf,
+            group_size=reducer.size,
+            shard_groups=self._shard_groups,
+        )
+        op = "max" if norm_type == float("inf") else "sum"
+        norm = total_norm(self._reduce_pending(term, op, reducer), norm_type)  # type: ignore[arg-type]
+        coef = clip_coefficient(norm, max_norm)
+        if deferred and fused and scale is not None:
+            state["grad_scale"] = scale / coef  # the fused step divides by it
+        elif deferred:
+            scale_grads_(grads, inv_scale * coef)
+        elif self._enabled and fused:
+            state["grad_scale"] = coef.reciprocal()  # gradients already unscaled
+        else:
+            scale_grads_(grads, coef)
+        if deferred:
+            state["stage"] = OptState.UNSCALED
+        state["clipped"] = self._enabled  # a disabled scaler keeps no per-step state
+        if error_if_nonfinite and not bool(torch.isfinite(norm).item()):  # host sync, opt-in
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+                "cannot be clipped. With a loss scaler this step is skipped anyway: pass "
+                "error_if_nonfinite=False (the default)."
+            )
+        return norm
 
     def _prepare(self, optimizer: torch.optim.Optimizer) -> None:
         key = id(optimizer)
@@ -330,7 +452,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
                 "step() has already been called since the last update(): call update() once "
                 "per iteration, after stepping every optimizer."
             )
-        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        fused = _is_fused(optimizer)
         if fused and "grad_scaler" in inspect.signature(optimizer.step).parameters:
             raise TypeError(
                 f"{type(optimizer).__name__}.step takes the deprecated `grad_scaler` argument; "
@@ -346,7 +468,9 @@ class DistributedGradScaler(torch.amp.GradScaler):
         if self._last_skipped is not None:
             self._last_skipped = found_inf > 0
         if fused:
-            optimizer.grad_scale = None if state["stage"] is OptState.UNSCALED else scale  # type: ignore[attr-defined]
+            optimizer.grad_scale = (  # type: ignore[attr-defined]
+                state.get("grad_scale") if state["stage"] is OptState.UNSCALED else scale
+            )
             optimizer.found_inf = found_inf  # type: ignore[attr-defined]
             try:
                 retval = optimizer.step(*args, **kwargs)
@@ -496,12 +620,35 @@ class DistributedGradScaler(torch.amp.GradScaler):
         state["_ddp_param_ids"] = set()
         state["_ddp_synced_forward"] = False
         state["_param_names"] = {}
+        state["_shard_groups"] = {}
         return state
 
 
 def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     for group in optimizer.param_groups:
         yield from group["params"]
+
+
+def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer takes ``grad_scale``/``found_inf`` (torch's fused=True ones)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    # FP32 division can be imprecise for some scales: take the reciprocal in FP64 (as torch).
+    return scale.double().reciprocal().float() if scale.device.type != "mps" else scale.reciprocal()
+
+
+def _grad_device(optimizer: torch.optim.Optimizer) -> torch.device:
+    for p in _params(optimizer):
+        if p.grad is not None:
+            return p.grad.device
+    return torch.device("cpu")
+
+
+def _reject_fp16_grads(optimizer: torch.optim.Optimizer) -> None:
+    if any(p.grad is not None and p.grad.dtype == torch.float16 for p in _params(optimizer)):
+        raise ValueError(FP16_GRADS)
 
 
 def _world() -> Any:

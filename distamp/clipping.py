@@ -1,0 +1,159 @@
+"""Gradient clipping folded into the unscale pass: the pieces the scaler's ``clip_grad_norm_`` uses.
+
+torch's sequence ``scaler.unscale_(opt)`` + ``clip_grad_norm_(params)`` walks the gradients
+about five times: unscale (read + write), the norm (read), the clip (read + write). Here one read
+pass gives the non-finite flag and the sum of squares of the *unscaled* gradients
+(:func:`distamp.kernels.unscale_check_sumsq_` with ``write=False``); the flag and the local sum
+travel in one collective; and the combined factor ``inv_scale * clip_coef`` is applied once: by a
+fused optimizer through its ``grad_scale`` argument (no extra pass at all), otherwise in one
+multiply pass.
+
+Summing the squares across ranks must count every gradient element exactly once. A rank's local
+sum is therefore weighted by ``1 / replicas`` per gradient, where ``replicas`` is how many ranks
+of the reduction group hold the same elements: all of them for plain (DDP-replicated) tensors,
+one for an FSDP1 shard (``shard_group`` ranks share the reduction group), and the product of the
+replicated mesh dimensions for FSDP2/HSDP DTensors. When no collective runs (one rank, or DDP has
+already made the gradients identical) the local sum is the global one and every weight is 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from distamp.kernels import unscale_check_sumsq_
+
+__all__ = [
+    "check_clip_args",
+    "clip_coefficient",
+    "local_norm_term",
+    "replicas",
+    "scale_grads_",
+    "total_norm",
+]
+
+EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: keeps the coefficient finite for a zero norm
+
+
+def check_clip_args(max_norm: Any, norm_type: Any) -> tuple[float, float]:
+    """Validate ``max_norm`` (finite, > 0) and ``norm_type`` (>= 1 or inf); return floats."""
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"`{name}` must be a number, got {value!r}")
+    if not (math.isfinite(max_norm) and max_norm > 0):
+        raise ValueError(f"`max_norm` must be a finite number > 0, got {max_norm!r}")
+    if not (norm_type >= 1 or norm_type == math.inf) or math.isnan(norm_type):
+        raise ValueError(f"`norm_type` must be >= 1 or math.inf, got {norm_type!r}")
+    return float(max_norm), float(norm_type)
+
+
+def replicas(
+    param: torch.Tensor, grad: torch.Tensor, group_size: int, shard_groups: Mapping[int, int]
+) -> int:
+    """How many ranks of a reduction group of ``group_size`` ranks hold ``grad``'s elements."""
+    if group_size <= 1:  # nothing is reduced: the local sum is already the whole
+        return 1
+    placements = getattr(grad, "placements", None)
+    mesh = getattr(grad, "device_mesh", None)
+    if placements is not None and mesh is not None:  # DTensor: replicated over Replicate dims
+        n = 1
+        for dim, placement in enumerate(placements):
+            if placement.is_replicate():
+                n *= mesh.size(dim)
+        return n
+    shard = shard_groups.get(id(param))
+    if shard is not None:  # FSDP1 flat-parameter shard: one copy per shard group
+        return max(1, group_size // shard)
+    return group_size  # a data-parallel replica (DDP or identical by construction)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(grad, "to_local", None)
+    local = to_local() if callable(to_local) else grad
+    if local.is_sparse:
+        raise ValueError(
+            "clip_grad_norm_ does not support sparse gradients: clip them with "
+            "torch.nn.utils.clip_grad_norm_ after scaler.unscale_(optimizer)"
+        )
+    return local
+
+
+def local_norm_term(
+    params: Iterable[torch.Tensor],
+    *,
+    norm_type: float,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    group_size: int,
+    shard_groups: Mapping[int, int],
+) -> tuple[torch.Tensor, dict[torch.device, list[torch.Tensor]]]:
+    """This rank's contribution to the global norm, and its local gradients by device.
+
+    For ``norm_type == 2`` the flag and the weighted sum of squares of the unscaled gradients come
+    from one read pass per (device, weight) group, and ``found_inf`` (on the result's device) is
+    raised in place on a non-finite gradient. Other norms read gradients that are already unscaled
+    (``inv_scale`` is then 1) and return the weighted sum of ``|g|^p``, or the max for ``inf``.
+
+    Returns:
+        ``(term, grads_by_device)``: a 0-dim float32 tensor on ``found_inf``'s device, to be
+        SUM-reduced (MAX for the inf-norm), and the local gradient tensors to scale afterwards.
+    """
+    home = found_inf.device
+    groups: dict[tuple[torch.device, int], list[torch.Tensor]] = defaultdict(list)
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is None:
+            continue
+        local = _local(p.grad)
+        by_device[local.device].append(local)
+        groups[(local.device, replicas(p, p.grad, group_size, shard_groups))].append(local)
+    terms: list[torch.Tensor] = []
+    for (device, n), grads in groups.items():
+        if norm_type == 2.0:
+            flag = found_inf if device == home else torch.zeros((), device=device)
+            sumsq = unscale_check_sumsq_(
+                grads, flag, inv_scale.to(device), write=False, compute_sumsq=True
+            )
+            assert sumsq is not None
+            if flag is not found_inf:
+                torch.maximum(found_inf, flag.to(home), out=found_inf)
+            term = sumsq.float()
+        else:
+            nonempty = [g for g in grads if g.numel()]
+            if not nonempty:
+                continue
+            norms = torch.stack(torch._foreach_norm(nonempty, norm_type)).float()
+            term = norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
+        terms.append((term / n if n > 1 and norm_type != math.inf else term).to(home))
+    if not terms:
+        return torch.zeros((), dtype=torch.float32, device=home), by_device
+    stacked = torch.stack(terms)
+    return (stacked.max() if norm_type == math.inf else stacked.sum()), by_device
+
+
+def total_norm(term: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The global norm from the reduced term of :func:`local_norm_term`."""
+    if norm_type == math.inf:
+        return term
+    if norm_type == 2.0:
+        return term.sqrt()
+    return term.pow(1.0 / norm_type)
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (norm + eps))`` on device, as torch's ``clip_grad_norm_`` computes it."""
+    return (max_norm / (norm + EPS)).clamp(max=1.0)
+
+
+def scale_grads_(
+    by_device: Mapping[torch.device, list[torch.Tensor]], factor: torch.Tensor
+) -> None:
+    """Multiply every gradient by the 0-dim ``factor`` in one write pass per device."""
+    for device, grads in by_device.items():
+        grads = [g for g in grads if g.numel()]
+        if grads:
+            torch._foreach_mul_(grads, factor.to(device))
