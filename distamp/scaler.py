@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -152,6 +152,39 @@ class DistributedGradScaler(torch.amp.GradScaler):
                 "first in every iteration, then unscale_/step/update."
             )
         return self._scale, self._growth_tracker
+
+    # ------------------------------------------------------------------ scaling the loss
+    def scale(self, outputs: Any) -> Any:
+        """Multiply a tensor, or a (nested) list/tuple/iterable of tensors, by the scale.
+
+        Same contract as torch's; defined here rather than inherited because ``torch.compile``
+        refuses to trace torch's own GradScaler methods (a graph break at every ``scale()``),
+        while it traces this one. No host sync.
+        """
+        if not self._enabled:
+            return outputs
+        per_device: dict[torch.device, torch.Tensor] = {}
+
+        def factor(device: torch.device) -> torch.Tensor:
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(device)
+            assert self._scale is not None
+            if device not in per_device:
+                per_device[device] = self._scale.to(device=device, non_blocking=True)
+            return per_device[device]
+
+        def apply(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return value * factor(value.device)
+            if isinstance(value, (list, tuple)):
+                return type(value)(apply(v) for v in value)
+            if isinstance(value, Iterable):
+                return map(apply, value)
+            raise ValueError(
+                f"scale() takes a Tensor or an iterable of Tensors, got {type(value).__name__}"
+            )
+
+        return apply(outputs)
 
     # ------------------------------------------------------------------ module registration
     def register_module(self, module: torch.nn.Module) -> None:

@@ -96,3 +96,82 @@ def test_gradients_on_two_devices_share_one_decision() -> None:
         assert moved == (poisoned is None)
         assert torch.equal(before[1], gpu_p.detach()) == (poisoned is not None)
     assert s.skipped_steps == 2
+
+
+def _graph_setup(opt_kind: str):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)
+    ).cuda()
+    if opt_kind == "fused":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True, capturable=True)
+    scaler = DistributedGradScaler("cuda", init_scale=1024.0, growth_interval=1000, sync_free=True)
+    return model, opt, scaler
+
+
+@pytest.mark.parametrize("opt_kind", ["fused", "foreach"])
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_whole_step_in_a_cuda_graph_honours_skips(opt_kind: str, set_to_none: bool) -> None:
+    """Forward, backward, clip_grad_norm_, step and update captured once and replayed: a replay
+    whose input overflows leaves the parameters untouched and halves the scale."""
+    model, opt, scaler = _graph_setup(opt_kind)
+    static_x = torch.randn(16, 64, device="cuda")
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=set_to_none)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(static_x).float().square().mean()
+        scaler.scale(loss).backward()
+        norm = scaler.clip_grad_norm_(opt, 0.5)
+        scaler.step(opt)
+        scaler.update()
+        return norm
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: optimizer state, kernel tables, autocast caches
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    if set_to_none:
+        opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_norm = step()
+    good = torch.randn(16, 64, device="cuda")
+    for i in range(4):
+        static_x.copy_(good)
+        if i == 2:
+            static_x[0, 0] = INF
+        before = [p.detach().clone() for p in model.parameters()]
+        scale_before = scaler.get_scale()
+        graph.replay()
+        torch.cuda.synchronize()
+        moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+        assert moved == (i != 2), f"replay {i}: params moved={moved}"
+        assert bool(torch.isfinite(static_norm)) == (i != 2)
+        assert scaler.get_scale() == (scale_before / 2 if i == 2 else scale_before)
+        assert bool(scaler.last_step_skipped) == (i == 2)
+
+
+@pytest.mark.parametrize("opt_kind", ["fused", "foreach"])
+def test_sync_free_step_never_syncs_the_device(opt_kind: str) -> None:
+    """torch.cuda.set_sync_debug_mode("error") raises on any synchronizing call."""
+    model, opt, scaler = _graph_setup(opt_kind)
+    x = torch.randn(16, 64, device="cuda")
+    for i in range(4):
+        if i == 1:  # the first step creates optimizer state (a sync for non-fused optimizers)
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.zero_grad(set_to_none=False)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x if i != 2 else x * INF).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.clip_grad_norm_(opt, 0.5)
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert scaler.skipped_steps == 1

@@ -243,7 +243,9 @@ def _build_plan(grads: Sequence[torch.Tensor], write: bool, device: torch.device
     return _Plan(tuple(launches), tuple(fallback), offset)
 
 
-def _plan_for(grads: Sequence[torch.Tensor], write: bool, device: torch.device) -> _Plan:
+def _plan_for(
+    grads: Sequence[torch.Tensor], write: bool, device: torch.device, build: bool = True
+) -> _Plan | None:
     # The key pins everything a table encodes. Host time of a whole call (H100 machine, Python
     # 3.12): 500 tensors 0.25-0.4 ms on a hit, 1.5-2.4 ms on a miss (table build + H2D copy);
     # 2000 tensors 1.2 ms on a hit, 0.74 ms of it in these attribute maps
@@ -270,6 +272,8 @@ def _plan_for(grads: Sequence[torch.Tensor], write: bool, device: torch.device) 
         _stats["hits"] += 1
         return plan
     _stats["misses"] += 1
+    if not build:
+        return None
     plan = _build_plan(grads, write, device)
     _plans[key] = plan
     if len(_plans) > _CACHE_SIZE:  # evict the oldest entry
@@ -302,7 +306,22 @@ def unscale_check_sumsq_triton_(
             f"backend='triton' needs CUDA tensors, got tensors on {device}; use backend='torch' "
             "(or set TRITON_INTERPRET=1 before Triton is imported to run the kernel on CPU)"
         )
-    plan = _plan_for(grads, write, device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    plan = _plan_for(grads, write, device, build=not capturing)
+    if plan is None:
+        # A new table needs a host-to-device copy, which must not be baked into a CUDA graph
+        # being captured; the reference ops capture cleanly. A warm-up step with the same
+        # gradient tensors (zero_grad(set_to_none=False)) caches the table and gets the kernel.
+        total = reference_subset_(
+            grads,
+            range(len(grads)),
+            found_inf,
+            inv_scale,
+            write=write,
+            compute_sumsq=compute_sumsq,
+            per_tensor_flags=per_tensor_flags,
+        )
+        return None if total is None else total.to(sumsq_dtype)
     partials = (
         torch.empty(plan.total_chunks, dtype=torch.float64, device=device)
         if compute_sumsq
