@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from distamp import DistributedGradScaler
 from distamp.kernels import dispatch, unscale_and_check_, unscale_check_sumsq_
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -130,6 +131,21 @@ def paths(
     def reference_factor() -> None:
         unscale_check_sumsq_(grads, found, inv, write=False, compute_sumsq=True, backend="torch")
 
+    # The user-facing call, state machine and all: DistributedGradScaler.clip_grad_norm_ + update
+    # (no optimizer step, so the gradients stay as they are between repeats).
+    scaler = DistributedGradScaler(device, init_scale=1.0, growth_interval=10**9)
+    scaler.scale(torch.ones((), device=device))
+
+    def api(opt: torch.optim.Optimizer) -> Callable[[], None]:
+        def call() -> None:
+            scaler.clip_grad_norm_(opt, max_norm)
+            scaler.update()
+
+        return call
+
+    fused_opt = torch.optim.SGD(params, lr=0.0, fused=True)
+    plain_opt = torch.optim.SGD(params, lr=0.0, foreach=True)
+
     return {
         "distamp[torch]: check+sumsq": (reference_factor, 1),
         "torch: unscale": (torch_unscale, 2),
@@ -137,6 +153,8 @@ def paths(
         "distamp: check+sumsq": (fused_factor, 1),
         "distamp: check+sumsq, 1 mul": (fused_mul, 2),
         "distamp: unscale": (plain, 2),
+        "scaler.clip_grad_norm_ (fused opt)": (api(fused_opt), 1),
+        "scaler.clip_grad_norm_ (other opt)": (api(plain_opt), 3),
     }
 
 
@@ -152,7 +170,7 @@ def run_size(args: argparse.Namespace, total: int, dtype: torch.dtype, timer: Ti
         f"\n{total / 1e6:.0f}M {args.dtype} elements in {len(grads)} tensors "
         f"({nbytes / 1e6:.0f} MB), {args.device}; one read (flat sum) = {read_t * 1e3:.3f} ms"
     )
-    header = f"{'path':32} {'ms':>9} {'RPE':>6}"
+    header = f"{'path':36} {'ms':>9} {'RPE':>6}"
     if args.device == "cuda":
         header += f" {'GB/s':>7} {'%copy':>6} {'graph ms':>9} {'graph RPE':>9}"
     print(header)
@@ -167,10 +185,10 @@ def run_size(args: argparse.Namespace, total: int, dtype: torch.dtype, timer: Ti
                 "copy (flat, same bytes)": (copy_t, copy_g),
                 "sum (flat, one read)": (read_t, read_g),
             }.get(name) or timer(fn)
-        except (RuntimeError, NotImplementedError) as exc:  # e.g. torch's unscale lacks bf16
-            print(f"{name:32} n/a: {str(exc).splitlines()[0][:70]}")
+        except (RuntimeError, NotImplementedError, ValueError) as exc:  # e.g. no bf16 unscale
+            print(f"{name:36} n/a: {str(exc).splitlines()[0][:70]}")
             continue
-        line = f"{name:32} {eager * 1e3:9.3f} {eager / read_t:6.2f}"
+        line = f"{name:36} {eager * 1e3:9.3f} {eager / read_t:6.2f}"
         if args.device == "cuda":
             bw = passes * nbytes / eager
             line += f" {bw / 1e9:7.0f} {100 * bw / copy_bw:5.0f}%"
