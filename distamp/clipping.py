@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from distamp.diagnostics import OverflowRecorder
 from distamp.kernels import unscale_check_sumsq_
 
 __all__ = [
@@ -90,6 +91,7 @@ def local_norm_term(
     found_inf: torch.Tensor,
     group_size: int,
     shard_groups: Mapping[int, int],
+    recorder: OverflowRecorder | None = None,
 ) -> tuple[torch.Tensor, dict[torch.device, list[torch.Tensor]]]:
     """This rank's contribution to the global norm, and its local gradients by device.
 
@@ -97,6 +99,7 @@ def local_norm_term(
     from one read pass per (device, weight) group, and ``found_inf`` (on the result's device) is
     raised in place on a non-finite gradient. Other norms read gradients that are already unscaled
     (``inv_scale`` is then 1) and return the weighted sum of ``|g|^p``, or the max for ``inf``.
+    With a ``recorder``, the same pass raises one flag per gradient for overflow reports.
 
     Returns:
         ``(term, grads_by_device)``: a 0-dim float32 tensor on ``found_inf``'s device, to be
@@ -104,19 +107,29 @@ def local_norm_term(
     """
     home = found_inf.device
     groups: dict[tuple[torch.device, int], list[torch.Tensor]] = defaultdict(list)
+    owners: dict[tuple[torch.device, int], list[torch.Tensor]] = defaultdict(list)
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is None:
             continue
         local = _local(p.grad)
         by_device[local.device].append(local)
-        groups[(local.device, replicas(p, p.grad, group_size, shard_groups))].append(local)
+        key = (local.device, replicas(p, p.grad, group_size, shard_groups))
+        groups[key].append(local)
+        owners[key].append(p)
     terms: list[torch.Tensor] = []
     for (device, n), grads in groups.items():
         if norm_type == 2.0:
             flag = found_inf if device == home else torch.zeros((), device=device)
             sumsq = unscale_check_sumsq_(
-                grads, flag, inv_scale.to(device), write=False, compute_sumsq=True
+                grads,
+                flag,
+                inv_scale.to(device),
+                write=False,
+                compute_sumsq=True,
+                per_tensor_flags=(
+                    None if recorder is None else recorder.new_flags(owners[device, n], device)
+                ),
             )
             assert sumsq is not None
             if flag is not found_inf:

@@ -31,7 +31,8 @@ from distamp.clipping import (
     scale_grads_,
     total_norm,
 )
-from distamp.kernels import unscale_and_check_
+from distamp.diagnostics import NonFiniteTracer, OverflowRecorder, OverflowReport, build_report
+from distamp.kernels import unscale_check_sumsq_
 from distamp.scale_update import ScaleRule, update_scale_
 from distamp.scaler_config import check_device, check_scaler_args, validate_state_dict
 from distamp.sync_free import masked_step
@@ -79,6 +80,10 @@ class DistributedGradScaler(torch.amp.GradScaler):
             chooses the mesh of FSDP2 (DTensor) parameters or the default group.
         sync_free: ``step()`` never waits for the device: the skip is decided on device, through
             the optimizer's ``found_inf`` argument (fused optimizers) or a masked update.
+        report_overflow: keep one non-finite flag per gradient tensor, raised by the unscale pass
+            itself and kept on device, for :meth:`overflow_report`. Free with the Triton kernel
+            and for fused optimizers; the torch reference's in-place unscale then checks and
+            writes in two passes instead of one.
 
     Collectives: one per ``step`` call that has unreduced flags (explicitly unscaled optimizers are
     reduced together in that one call); zero when no process group is initialized, and zero for an
@@ -100,6 +105,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
         max_scale: float | None = 2.0**24,
         process_group: reduction.GroupSpec = None,
         sync_free: bool = False,
+        report_overflow: bool = True,
     ) -> None:
         device = check_device(device)
         check_scaler_args(
@@ -133,6 +139,8 @@ class DistributedGradScaler(torch.amp.GradScaler):
         self._ddp_synced_forward = False
         self._param_names: dict[int, str] = {}
         self._shard_groups: dict[int, int] = {}  # FSDP1 parameter id -> its shard group's size
+        self._overflow = OverflowRecorder() if report_overflow else None
+        self._tracer: NonFiniteTracer | None = None
         self.collectives_issued = 0  # how many found_inf collectives this scaler issued
 
     # ------------------------------------------------------------------ lazily created state
@@ -244,6 +252,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
         """
         write = inv_scale is not None
         per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        owners: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         with torch.no_grad():
             for p in _params(optimizer):
                 grad = p.grad
@@ -259,6 +268,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
                         p.grad = grad
                     grad = grad._values()
                 per_device[grad.device].append(grad)
+                owners[grad.device].append(p)
         flags = {found_inf.device: found_inf}
         for device, grads in per_device.items():
             flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
@@ -267,7 +277,10 @@ class DistributedGradScaler(torch.amp.GradScaler):
                 if write
                 else torch.ones((), dtype=torch.float32, device=device)
             )
-            unscale_and_check_(grads, flag, factor, write=write)
+            per_tensor = (
+                None if self._overflow is None else self._overflow.new_flags(owners[device], device)
+            )
+            unscale_check_sumsq_(grads, flag, factor, write=write, per_tensor_flags=per_tensor)
         return flags
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -436,10 +449,13 @@ class DistributedGradScaler(torch.amp.GradScaler):
             found_inf=found_inf,
             group_size=reducer.size,
             shard_groups=self._shard_groups,
+            recorder=self._overflow if deferred else None,  # else unscale_ recorded them
         )
         op = "max" if norm_type == float("inf") else "sum"
         norm = total_norm(self._reduce_pending(term, op, reducer), norm_type)  # type: ignore[arg-type]
         coef = clip_coefficient(norm, max_norm)
+        if self._enabled:  # a skipped step: keep inf as inf (not inf * 0 = nan) for the report
+            coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
         if deferred and fused and scale is not None:
             state["grad_scale"] = scale / coef  # the fused step divides by it
         elif deferred:
@@ -531,6 +547,8 @@ class DistributedGradScaler(torch.amp.GradScaler):
         if new_scale is not None:
             super().update(new_scale)
             self._per_optimizer_states = defaultdict(_refresh_state)
+            if self._overflow is not None:
+                self._overflow.discard()
             return
         self._reduce_pending()
         flags = [
@@ -553,6 +571,10 @@ class DistributedGradScaler(torch.amp.GradScaler):
         )
         self._skipped += found.to(self._skipped.dtype)
         self._last_skipped = found
+        if self._overflow is not None:
+            self._overflow.commit(found)
+        if self._tracer is not None:
+            self._tracer.commit(found)
         self._per_optimizer_states = defaultdict(_refresh_state)
         if self._min_scale is not None and not self._sync_free:
             self._raise_if_underflow()  # one host sync, only when min_scale is set
@@ -600,6 +622,27 @@ class DistributedGradScaler(torch.amp.GradScaler):
         if self._sync_free and self._min_scale is not None:
             self._raise_if_underflow()
         return super().get_scale()
+
+    def attach_tracer(self, tracer: NonFiniteTracer | None) -> None:
+        """Follow a :class:`~distamp.diagnostics.NonFiniteTracer`: its forward record is kept
+        for skipped steps and appears in :meth:`overflow_report`. ``None`` detaches."""
+        self._tracer = tracer
+
+    def overflow_report(self) -> OverflowReport | None:
+        """Which parameters (and modules, ranks, inf or NaN) overflowed at the last skipped step.
+
+        Reads the per-gradient flags the unscale pass kept on device (nothing is computed again)
+        and gathers every rank's, so the report is the same on every rank. Host syncs and, with a
+        process group, one gather: call it on every rank, on request or after a skip (the engine
+        does it at a logging step whose window skipped). Parameter names come from
+        :meth:`register_module`. ``None`` when no step was skipped (or ``report_overflow=False``).
+        """
+        if not self._enabled or self._overflow is None:
+            return None
+        group = self._process_group if _is_process_group(self._process_group) else None
+        return build_report(
+            self._overflow, self._param_names, self._overflow.params(), group, self._tracer
+        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -654,6 +697,8 @@ class DistributedGradScaler(torch.amp.GradScaler):
         state["_ddp_synced_forward"] = False
         state["_param_names"] = {}
         state["_shard_groups"] = {}
+        state["_overflow"] = None if self._overflow is None else OverflowRecorder()
+        state["_tracer"] = None
         return state
 
 
@@ -682,6 +727,10 @@ def _grad_device(optimizer: torch.optim.Optimizer) -> torch.device:
 def _reject_fp16_grads(optimizer: torch.optim.Optimizer) -> None:
     if any(p.grad is not None and p.grad.dtype == torch.float16 for p in _params(optimizer)):
         raise ValueError(FP16_GRADS)
+
+
+def _is_process_group(group: Any) -> bool:
+    return group is not None and isinstance(group, torch.distributed.ProcessGroup)
 
 
 def _world() -> Any:

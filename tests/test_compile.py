@@ -57,9 +57,7 @@ def test_no_graph_break_inside_distamp(kind: str) -> None:
     torch._dynamo.reset()
     explained = torch._dynamo.explain(step)(torch.randn(4, 8))
     innermost = [
-        (r.reason, r.user_stack[-1].filename)
-        for r in explained.break_reasons
-        if r.user_stack
+        (r.reason, r.user_stack[-1].filename) for r in explained.break_reasons if r.user_stack
     ]
     assert innermost, "expected torch's own breaks (backward, optimizer) to be reported"
     # A break inside distamp's code, or at a call into a scaler method Dynamo refuses to trace

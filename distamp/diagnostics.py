@@ -1,0 +1,387 @@
+"""Overflow diagnostics: which parameters, modules and ranks produced the inf/NaN of a skipped step.
+
+A loss scaler normally reports one bit per step (found_inf). The unscale pass already looks at
+every gradient, so it can as well raise one flag per gradient tensor (the kernels'
+``per_tensor_flags``). :class:`OverflowRecorder` keeps those flags on the device: at every
+``update()`` the flags of a skipped step replace the kept ones (a ``torch.where`` on the agreed
+found_inf, no host sync), so after any number of good steps the last skipped step's flags are still
+there. Only :meth:`DistributedGradScaler.overflow_report` reads them (and gathers them from every
+rank), on request.
+
+:class:`NonFiniteTracer` answers the question the gradients cannot: where did the inf/NaN first
+appear in the forward pass? Forward hooks reduce each module's output to one on-device "all
+finite" bit and remember the first module (in execution order) whose output was not; the loss is
+checked before scaling. Opt-in, because every hook reads its module's output once more.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "NonFiniteTracer",
+    "OverflowEntry",
+    "OverflowRecorder",
+    "OverflowReport",
+    "ScaleHealth",
+    "build_report",
+    "trace_nonfinite",
+]
+
+
+@dataclass(frozen=True)
+class OverflowEntry:
+    """One parameter whose gradient was non-finite at the reported step."""
+
+    parameter: str
+    module: str
+    ranks: tuple[int, ...]
+    kind: str  # "inf", "nan", "inf+nan", or "non-finite" when the gradient is no longer there
+
+    def __str__(self) -> str:
+        where = ",".join(map(str, self.ranks))
+        return f"{self.parameter} ({self.kind}, rank {where})"
+
+
+@dataclass(frozen=True)
+class OverflowReport:
+    """What went non-finite at the last skipped step (identical on every rank).
+
+    Attributes:
+        step: the scaler iteration (number of ``update()`` calls before it) of the skip.
+        entries: the parameters with a non-finite gradient, in optimizer order.
+        largest_grad_norms: ``(parameter, norm)`` of the largest finite local gradient norms at
+            report time (the usual suspects when an inf is near), when gradients are still held.
+        forward: the first module whose forward output was non-finite, when a
+            :class:`NonFiniteTracer` was active; ``None`` otherwise or when all were finite.
+        loss_nonfinite: whether the loss itself was non-finite before scaling (tracer only).
+    """
+
+    step: int
+    entries: tuple[OverflowEntry, ...]
+    largest_grad_norms: tuple[tuple[str, float], ...] = ()
+    forward: str | None = None
+    loss_nonfinite: bool | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The modules owning the flagged parameters, in order, without repeats."""
+        return tuple(dict.fromkeys(e.module for e in self.entries))
+
+    def one_line(self) -> str:
+        """A log line: the step, the first few parameters, and the forward origin if known."""
+        head = ", ".join(str(e) for e in self.entries[:3])
+        more = f" +{len(self.entries) - 3} more" if len(self.entries) > 3 else ""
+        parts = [f"overflow at iteration {self.step}: {head or 'no gradient flagged'}{more}"]
+        if self.forward is not None:
+            parts.append(f"first non-finite forward output: {self.forward}")
+        if self.loss_nonfinite:
+            parts.append("the loss itself was non-finite before scaling")
+        return "; ".join(parts)
+
+
+def module_of(name: str) -> str:
+    """``"blocks.0.attn.qkv.weight"`` -> ``"blocks.0.attn.qkv"`` (the root for a bare name)."""
+    return name.rsplit(".", 1)[0] if "." in name else "<root>"
+
+
+class OverflowRecorder:
+    """Per-gradient non-finite flags of the current iteration, and those of the last skip.
+
+    Keys are the ordered parameter lists the scaler passes to the unscale kernels (one list per
+    optimizer and device), so the kept flags line up with parameters across iterations.
+    """
+
+    def __init__(self) -> None:
+        self._current: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
+        self._kept: dict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
+        self._iteration: torch.Tensor | None = None
+        self._last_skip: torch.Tensor | None = None
+
+    def new_flags(self, params: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """A zeroed float32 flag per parameter, filled by the unscale pass (no host sync)."""
+        flags = torch.zeros(len(params), dtype=torch.float32, device=device)
+        self._current.append((tuple(params), flags))
+        return flags
+
+    def discard(self) -> None:
+        """Forget the current iteration's flags (``update(new_scale)`` and the like)."""
+        self._current = []
+
+    def commit(self, found: torch.Tensor) -> None:
+        """At ``update()``: keep this iteration's flags where the agreed ``found`` is set."""
+        if self._iteration is None:
+            self._iteration = torch.zeros((), dtype=torch.int64, device=found.device)
+            self._last_skip = torch.full((), -1, dtype=torch.int64, device=found.device)
+        assert self._last_skip is not None
+        self._last_skip.copy_(torch.where(found, self._iteration, self._last_skip))
+        fresh = set()
+        for params, flags in self._current:
+            key = tuple(map(id, params))
+            fresh.add(key)
+            old = self._kept.get(key)
+            base = old[1] if old is not None else torch.zeros_like(flags)
+            self._kept[key] = (params, torch.where(found.to(flags.device), flags, base))
+        for key, (_, flags) in self._kept.items():  # a skip without them: clear theirs
+            if key not in fresh:
+                flags.masked_fill_(found.to(flags.device), 0.0)
+        self._iteration += 1
+        self._current = []
+
+    @property
+    def iterations(self) -> int:
+        """How many ``update()`` calls were committed (host sync)."""
+        return 0 if self._iteration is None else int(self._iteration.item())
+
+    def params(self) -> list[torch.Tensor]:
+        """Every parameter the kept flags cover, in order, without repeats."""
+        seen: dict[int, torch.Tensor] = {}
+        for params, _ in self._kept.values():
+            for p in params:
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def flagged(self) -> tuple[int, list[torch.Tensor]]:
+        """Host side (syncs): the iteration of the last skip (-1: none) and its flagged params."""
+        if self._last_skip is None:
+            return -1, []
+        step = int(self._last_skip.item())
+        out: list[torch.Tensor] = []
+        for params, flags in self._kept.values():
+            hits = flags.cpu().tolist()
+            out.extend(p for p, hit in zip(params, hits, strict=True) if hit)
+        return step, out
+
+
+def _kind(param: torch.Tensor) -> str:
+    grad = param.grad
+    if grad is None:
+        return "non-finite"
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    if local.is_sparse:
+        local = local.coalesce().values()
+    has_nan = bool(torch.isnan(local).any())
+    has_inf = bool(torch.isinf(local).any())
+    if has_nan and has_inf:
+        return "inf+nan"
+    return "nan" if has_nan else "inf" if has_inf else "non-finite"
+
+
+def build_report(
+    recorder: OverflowRecorder,
+    names: Mapping[int, str],
+    all_params: Sequence[torch.Tensor],
+    group: Any = None,
+    tracer: NonFiniteTracer | None = None,
+) -> OverflowReport | None:
+    """Assemble the report from this rank's kept flags and every rank's (collective if grouped).
+
+    Returns ``None`` when no step has been skipped yet (on every rank: the skip is agreed).
+    """
+    step, flagged = recorder.flagged()
+    latest = step >= 0 and step == recorder.iterations - 1  # the gradients are still that step's
+    local = [
+        (names.get(id(p), f"param[{i}]"), _kind(p) if latest else "non-finite")
+        for i, p in enumerate(flagged)
+    ]
+    largest = _largest_norms(all_params, names)
+    forward = tracer.first_nonfinite(kept=True) if tracer is not None else None
+    loss_bad = tracer.loss_was_nonfinite(kept=True) if tracer is not None else None
+    rank = 0
+    gathered: list[Any] = [(rank, local, forward, loss_bad)]
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (rank, local, forward, loss_bad), group=group)
+    if step < 0:
+        return None
+    ranks: dict[str, list[int]] = {}
+    kinds: dict[str, set[str]] = {}
+    for r, entries, _, _ in gathered:
+        for name, kind in entries:
+            ranks.setdefault(name, []).append(r)
+            kinds.setdefault(name, set()).add(kind)
+    entries = tuple(
+        OverflowEntry(name, module_of(name), tuple(sorted(rs)), _merge_kinds(kinds[name]))
+        for name, rs in ranks.items()
+    )
+    first_forward = next((f"{f} (rank {r})" for r, _, f, _ in gathered if f is not None), None)
+    losses = [lb for _, _, _, lb in gathered if lb is not None]
+    return OverflowReport(
+        step=step,
+        entries=entries,
+        largest_grad_norms=largest,
+        forward=first_forward,
+        loss_nonfinite=any(losses) if losses else None,
+    )
+
+
+def _merge_kinds(kinds: set[str]) -> str:
+    known = {k for k in kinds if k != "non-finite"}
+    if not known:
+        return "non-finite"
+    return "inf+nan" if "inf+nan" in known or known == {"inf", "nan"} else known.pop()
+
+
+def _largest_norms(
+    params: Sequence[torch.Tensor], names: Mapping[int, str], top: int = 3
+) -> tuple[tuple[str, float], ...]:
+    grads = []
+    for i, p in enumerate(params):
+        if p.grad is None or p.grad.is_sparse:
+            continue
+        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if local.numel():
+            grads.append((names.get(id(p), f"param[{i}]"), local))
+    if not grads:
+        return ()
+    norms = torch.stack(torch._foreach_norm([g for _, g in grads])).float().cpu().tolist()
+    finite = [(n, v) for (n, _), v in zip(grads, norms, strict=True) if math.isfinite(v)]
+    return tuple(sorted(finite, key=lambda nv: -nv[1])[:top])
+
+
+class NonFiniteTracer:
+    """Forward hooks that find the first module whose output is not finite, on device.
+
+    Each hook adds one reduction over its module's output (``isfinite(...).all()``) and one tiny
+    ``torch.where``; nothing syncs until :meth:`first_nonfinite` is asked. Hooks fire when a
+    module *finishes*, so an inner module that produced the first inf is recorded before the
+    parents that merely passed it on. Attached to a scaler (``scaler.attach_tracer``), the record
+    follows the scaler's iterations: it is kept for a skipped step and cleared after a good one,
+    on device, like the gradient flags.
+    """
+
+    _NONE = 2**62
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names = [name or "<root>" for name, _ in model.named_modules()]
+        self._first: torch.Tensor | None = None
+        self._loss_bad: torch.Tensor | None = None
+        self._kept_first: torch.Tensor | None = None
+        self._kept_loss: torch.Tensor | None = None
+        self._handles = [
+            module.register_forward_hook(self._hook(index))
+            for index, (_, module) in enumerate(model.named_modules())
+        ]
+
+    def _hook(self, index: int) -> Any:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            tensors = [t for t in _flatten(output) if t.is_floating_point() and t.numel()]
+            if not tensors:
+                return
+            bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).any()
+            if self._first is None:
+                self._first = torch.full((), self._NONE, dtype=torch.int64, device=bad.device)
+            first = self._first
+            first.copy_(torch.where(bad & (first == self._NONE), index, first))
+
+        return hook
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Remember whether ``loss`` (before scaling) is non-finite; no host sync."""
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+
+    def commit(self, found: torch.Tensor) -> None:
+        """At the scaler's ``update()``: keep this iteration's record if it skipped, then reset."""
+        if self._first is not None:
+            if self._kept_first is None:
+                self._kept_first = torch.full_like(self._first, self._NONE)
+            flag = found.to(self._first.device)
+            self._kept_first.copy_(torch.where(flag, self._first, self._kept_first))
+            self._first.fill_(self._NONE)
+        if self._loss_bad is not None:
+            if self._kept_loss is None:
+                self._kept_loss = torch.zeros_like(self._loss_bad)
+            flag = found.to(self._loss_bad.device)
+            self._kept_loss.copy_(torch.where(flag, self._loss_bad, self._kept_loss))
+            self._loss_bad = None
+
+    def first_nonfinite(self, kept: bool = False) -> str | None:
+        """The first module whose output was non-finite: in the current forward, or (``kept``)
+        at the last skipped step. Host sync, on request."""
+        value = self._kept_first if kept else self._first
+        if value is None:
+            return None
+        index = int(value.item())
+        return None if index == self._NONE else self.names[index]
+
+    def loss_was_nonfinite(self, kept: bool = False) -> bool | None:
+        """Whether the loss was non-finite before scaling (current, or at the last skip)."""
+        value = self._kept_loss if kept else self._loss_bad
+        return None if value is None else bool(value.item())
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _flatten(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _flatten(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _flatten(v)
+
+
+@contextmanager
+def trace_nonfinite(model: nn.Module) -> Iterator[NonFiniteTracer]:
+    """``with trace_nonfinite(model) as tracer: ...`` — hooks on for the block, off after it."""
+    tracer = NonFiniteTracer(model)
+    try:
+        yield tracer
+    finally:
+        tracer.remove()
+
+
+class ScaleHealth:
+    """Warns (once per episode) when the loss scale keeps dropping or sits at its floor.
+
+    Fed at logging steps with host values the metrics already synced, so it costs no extra sync.
+    An episode ends when a window has no skipped step.
+    """
+
+    def __init__(self, consecutive: int = 5, min_scale: float | None = None) -> None:
+        self.consecutive = consecutive
+        self.min_scale = min_scale
+        self._warned = False
+
+    def check(
+        self, *, skipped_in_a_row: int, scale: float, report: OverflowReport | None
+    ) -> str | None:
+        """The warning text to emit now, or ``None``."""
+        at_floor = self.min_scale is not None and scale <= self.min_scale
+        if skipped_in_a_row == 0 and not at_floor:
+            self._warned = False
+            return None
+        if self._warned or (skipped_in_a_row < self.consecutive and not at_floor):
+            return None
+        self._warned = True
+        where = ""
+        if report is not None and report.entries:
+            where = f" Last overflow: {report.one_line()}."
+        cause = (
+            f"the loss scale sits at min_scale={self.min_scale}"
+            if at_floor
+            else f"{skipped_in_a_row} optimizer steps in a row were skipped (scale now {scale:g})"
+        )
+        return (
+            f"distamp: {cause}.{where} Likely causes: fp16 overflow in one module's activations, "
+            "a learning rate too high, or a bad batch. Usual fixes: train in bf16; keep the "
+            "overflowing module in fp32 with an AutocastPolicy; lower the learning rate or "
+            "init_scale; check the data of the failing step."
+        )
