@@ -132,6 +132,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
         self._init_skipped_steps = 0
         self._hysteresis_tracker: torch.Tensor | None = None
         self._skipped: torch.Tensor | None = None
+        self._streak: torch.Tensor | None = None
         self._last_skipped: torch.Tensor | None = None
         self._underflow: torch.Tensor | None = None
         self._reducers: dict[int, reduction.FlagReducer] = {}
@@ -150,6 +151,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
             (), self._init_hysteresis_tracker, dtype=torch.int32, device=dev
         )
         self._skipped = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=dev)
+        self._streak = torch.zeros((), dtype=torch.int64, device=dev)
         self._last_skipped = torch.zeros((), dtype=torch.bool, device=dev)
         self._underflow = torch.zeros((), dtype=torch.bool, device=dev)
 
@@ -570,6 +572,8 @@ class DistributedGradScaler(torch.amp.GradScaler):
             self._rule(), scale, tracker, self._hysteresis_tracker, found
         )
         self._skipped += found.to(self._skipped.dtype)
+        if self._streak is not None:
+            self._streak.copy_(torch.where(found, self._streak + 1, 0))
         self._last_skipped = found
         if self._overflow is not None:
             self._overflow.commit(found)
@@ -616,6 +620,11 @@ class DistributedGradScaler(torch.amp.GradScaler):
         if self._skipped is None:
             return self._init_skipped_steps
         return int(self._skipped.item())  # host sync, on request only
+
+    @property
+    def skip_streak(self) -> int:
+        """Consecutive skipped iterations up to the last ``update()`` (synced: read on request)."""
+        return 0 if self._streak is None else int(self._streak.item())
 
     def get_scale(self) -> float:
         """The current scale as a Python float (one host sync)."""
@@ -688,7 +697,13 @@ class DistributedGradScaler(torch.amp.GradScaler):
         if self._enabled:
             state["_init_hysteresis_tracker"] = self.state_dict()["_hysteresis_tracker"]
             state["_init_skipped_steps"] = self.skipped_steps
-            for key in ("_hysteresis_tracker", "_skipped", "_last_skipped", "_underflow"):
+            for key in (
+                "_hysteresis_tracker",
+                "_skipped",
+                "_streak",
+                "_last_skipped",
+                "_underflow",
+            ):
                 state[key] = None
         # Process groups and module hooks do not survive pickling; they are re-resolved lazily.
         state["_process_group"] = None

@@ -183,3 +183,15 @@ def test_report_names_parameter_and_rank_on_every_rank(strategy: str) -> None:
     results = run_ranks(_named_overflow_on_rank1, 2, strategy, timeout=120)
     expected = [None, ["block.0.weight (inf, rank 1)"], ["block.0.weight (non-finite, rank 1)"]]
     assert results == [expected, expected]
+
+
+def test_skip_streak_counts_consecutive_skips() -> None:
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = DistributedGradScaler("cpu", init_scale=256.0)
+    x = torch.randn(4, 8)
+    streaks = []
+    for poison in (None, ("head.bias", INF), ("head.bias", NAN), None):
+        _step(model, opt, scaler, x, poison)
+        streaks.append(scaler.skip_streak)
+    assert streaks == [0, 1, 2, 0]
