@@ -11,9 +11,10 @@ counters in :mod:`distamp.metrics`.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.checkpoint import load_checkpoint, save_checkpoint
+from distamp.diagnostics import NonFiniteTracer, ScaleHealth
 from distamp.metrics import Metrics, StepResult, WindowStats
 from distamp.policy import MPOwner, Precision, PrecisionLike, parse_precision, select_mp_owner
 from distamp.scaler import DistributedGradScaler
@@ -104,6 +106,9 @@ class DistAMP:
         scaler: a scaler to use instead of the default one (e.g. ``sync_free=True``).
         timeout: seconds for the rendezvous when :meth:`setup` has to initialize the group.
         device: the training device; ``None``: this rank's CUDA device if any, else CPU.
+        trace_nonfinite: forward hooks that find the first module whose output went inf/NaN,
+            for the overflow report (see :mod:`distamp.diagnostics`; costs one reduction per
+            module output, ~4% of the main job's step on CPU).
 
     Raises:
         ValueError: a bad setting; the message names the field and echoes the value.
@@ -119,6 +124,7 @@ class DistAMP:
         scaler: DistributedGradScaler | None = None,
         timeout: float | timedelta = 300.0,
         device: str | torch.device | None = None,
+        trace_nonfinite: bool = False,
     ) -> None:
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
@@ -145,6 +151,10 @@ class DistAMP:
         self.device = torch.device("cpu")
         self.metrics = Metrics(self.device)
         self._owns_group = False
+        self.trace_nonfinite = bool(trace_nonfinite)
+        self.tracer: NonFiniteTracer | None = None
+        self._health = ScaleHealth()
+        self._skips_seen = 0
 
     @property
     def precision(self) -> Precision:
@@ -225,6 +235,9 @@ class DistAMP:
         )
         # Names for reports; DDP: no extra collective; FSDP1: which parameters are shards.
         self.scaler.register_module(wrapped)
+        if self.trace_nonfinite:
+            self.tracer = NonFiniteTracer(model)  # the unwrapped model: its module names
+            self.scaler.attach_tracer(self.tracer)
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
         self.metrics = Metrics(self.device)
         return wrapped, optimizer
@@ -263,6 +276,8 @@ class DistAMP:
                 f"grad_accum_steps={n}: call step() after every {n} backward() calls"
             )
         self.metrics.record(loss, tokens)
+        if self.tracer is not None:
+            self.tracer.record_loss(loss)
         scaled = loss / n if n > 1 else loss
         self.scaler.scale(scaled).backward()
         self._micro += 1
@@ -344,6 +359,20 @@ class DistAMP:
             self.scheduler.load_state_dict(state["scheduler"])
         return True
 
+    def _diagnose(self, stats: WindowStats) -> WindowStats:
+        """At a logging step whose window skipped: the overflow report (collective; every rank
+        takes this branch, the stats being identical) and, on rank 0, the scale-health warning."""
+        if stats.skipped_steps == self._skips_seen or not self.scaler.is_enabled():
+            self._health.check(skipped_in_a_row=0, scale=stats.loss_scale, report=None)
+            return stats
+        self._skips_seen = stats.skipped_steps
+        report = self.scaler.overflow_report()
+        streak = self.scaler.skip_streak
+        text = self._health.check(skipped_in_a_row=streak, scale=stats.loss_scale, report=report)
+        if text is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
+        return replace(stats, overflow=None if report is None else report.one_line())
+
     def close(self) -> None:
         """Finish the job cleanly on every rank. Collective: call on every rank.
 
@@ -407,7 +436,9 @@ class DistAMP:
                 on_step(done)
             if done % log_interval == 0 or done == steps:
                 stop = bool(stop_requested()) if stop_requested is not None else False
-                stats = self.metrics.collect(step=done, scaler=self.scaler, stop=stop)
+                stats = self._diagnose(
+                    self.metrics.collect(step=done, scaler=self.scaler, stop=stop)
+                )
                 if on_log is not None:
                     on_log(stats)
                 if stats.stop:

@@ -35,6 +35,8 @@ class WindowStats:
         tokens_per_s: tokens of all ranks per second of wall time in the window.
         grad_norm: the last step's gradient norm before clipping, if clipping is on.
         stop: whether any rank asked to stop (see ``collect(stop=...)``).
+        overflow: the one-line overflow report when the window skipped a step (the engine
+            fills it in from ``scaler.overflow_report()``), else ``None``.
     """
 
     step: int
@@ -45,6 +47,7 @@ class WindowStats:
     tokens_per_s: float
     grad_norm: float | None
     stop: bool
+    overflow: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -215,8 +218,12 @@ class ProgressPrinter:
         )
         if self.tty:
             self.step(stats.step)
+            if stats.overflow:
+                self.stream.write(f"\n  {stats.overflow}\n")
         else:
             self.stream.write(f"{self._bar(stats.step)} {self._last}\n")
+            if stats.overflow:
+                self.stream.write(f"  {stats.overflow}\n")
             self.stream.flush()
         if self.jsonl is not None:
             self.jsonl.parent.mkdir(parents=True, exist_ok=True)

@@ -59,6 +59,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, default=DATA_FILE, help="any text file")
     p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0: cores/ranks)")
     p.add_argument("--timeout", type=float, default=300.0, help="rendezvous timeout, seconds")
+    p.add_argument(
+        "--trace-nonfinite",
+        action="store_true",
+        help="name the first module whose forward output overflowed in skip reports",
+    )
     args = p.parse_args(argv)
     if args.resume and args.out is None:
         p.error("--resume needs --out DIR (where the checkpoints are)")
@@ -110,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         grad_accum_steps=args.grad_accum,
         max_grad_norm=args.max_grad_norm or None,
         timeout=args.timeout,
+        trace_nonfinite=args.trace_nonfinite,
     )
     amp.setup(
         GPT(cfg),

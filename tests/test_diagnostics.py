@@ -195,3 +195,23 @@ def test_skip_streak_counts_consecutive_skips() -> None:
         _step(model, opt, scaler, x, poison)
         streaks.append(scaler.skip_streak)
     assert streaks == [0, 1, 2, 0]
+
+
+def test_engine_logs_the_overflow_report_of_a_skipped_window() -> None:
+    from distamp import DistAMP
+
+    amp = DistAMP(precision="fp16", strategy="none", device="cpu", trace_nonfinite=True)
+    amp.setup(Net(), lambda params: torch.optim.AdamW(params, lr=1e-3))
+    xs = [torch.randn(4, 8) for _ in range(4)]
+    xs[2][0, 0] = INF  # batch 2 overflows in the forward pass
+
+    def loss_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).float().square().mean()
+
+    logged = []
+    amp.fit(lambda k: xs[k], loss_fn, steps=4, log_interval=1, on_log=logged.append)
+    lines = [s.overflow for s in logged]
+    assert lines[:2] == [None, None] and lines[3] is None
+    assert lines[2] is not None and lines[2].startswith("overflow at iteration 2: embed.weight")
+    assert "first non-finite forward output: embed (rank 0)" in lines[2]
+    assert "the loss itself was non-finite" in lines[2]
