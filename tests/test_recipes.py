@@ -343,15 +343,15 @@ HADOLINT = shutil.which("hadolint")
 
 
 def _instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", (DOCKER / "Dockerfile").read_text())
-    found = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            word, _, rest = line.partition(" ")
-            found.append((word.upper(), rest.strip()))
-    return found
+    """(INSTRUCTION, arguments) of the Dockerfile, as dockerfile-parse reads it."""
+    from dockerfile_parse import DockerfileParser
+
+    parser = DockerfileParser(path=str(DOCKER / "Dockerfile"))
+    return [
+        (item["instruction"].upper(), item["value"].strip())
+        for item in parser.structure
+        if item["instruction"].upper() != "COMMENT"
+    ]
 
 
 def test_base_image_is_a_pinned_cuda_pytorch_tag() -> None:
