@@ -141,6 +141,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
         self._param_names: dict[int, str] = {}
         self._shard_groups: dict[int, int] = {}  # FSDP1 parameter id -> its shard group's size
         self._overflow = OverflowRecorder() if report_overflow else None
+        self._replica_cache: dict[int, dict[int, int]] = {}  # group size -> param id -> replicas
         self._tracer: NonFiniteTracer | None = None
         self.collectives_issued = 0  # how many found_inf collectives this scaler issued
 
@@ -216,6 +217,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
         if isinstance(module, FullyShardedDataParallel):  # clipping counts each shard once
             shard = torch.distributed.get_world_size(module.process_group)
             self._shard_groups.update((id(p), shard) for p in module.parameters())
+            self._replica_cache.clear()
         if not isinstance(module, DistributedDataParallel):
             return
         ignored = set(getattr(module, "parameters_to_ignore", ()))
@@ -452,6 +454,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
             group_size=reducer.size,
             shard_groups=self._shard_groups,
             recorder=self._overflow if deferred else None,  # else unscale_ recorded them
+            replica_cache=self._replica_cache.setdefault(reducer.size, {}),
         )
         op = "max" if norm_type == float("inf") else "sum"
         norm = total_norm(self._reduce_pending(term, op, reducer), norm_type)  # type: ignore[arg-type]
@@ -712,6 +715,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
         state["_ddp_synced_forward"] = False
         state["_param_names"] = {}
         state["_shard_groups"] = {}
+        state["_replica_cache"] = {}
         state["_overflow"] = None if self._overflow is None else OverflowRecorder()
         state["_tracer"] = None
         return state
