@@ -252,22 +252,25 @@ def _largest_norms(
 class NonFiniteTracer:
     """Forward hooks that find the first module whose output is not finite, on device.
 
-    Each hook adds one reduction over its module's output (``isfinite(...).all()``) and one tiny
-    ``torch.where``; nothing syncs until :meth:`first_nonfinite` is asked. Hooks fire when a
-    module *finishes*, so an inner module that produced the first inf is recorded before the
-    parents that merely passed it on. Attached to a scaler (``scaler.attach_tracer``), the record
-    follows the scaler's iterations: it is kept for a skipped step and cleared after a good one,
-    on device, like the gradient flags.
+    Each hook costs one reduction kernel and one tiny copy: the fp32 sum of its module's output
+    (non-finite exactly when an element is, short of an fp32 overflow of the sum itself) goes into
+    a preallocated slot, in the order modules *finish* — an inner module that produced the first
+    inf finishes before the parents that merely passed it on. The slots are only examined once per
+    iteration, at the scaler's ``update()`` (:meth:`commit`, a few kernels, no host sync) or on
+    request. Attached to a scaler (``scaler.attach_tracer``), the record is kept for a skipped
+    step and cleared after a good one, like the gradient flags.
     """
 
     _NONE = 2**62
 
     def __init__(self, model: nn.Module) -> None:
         self.names = [name or "<root>" for name, _ in model.named_modules()]
-        self._first: torch.Tensor | None = None
+        self._sums: torch.Tensor | None = None  # one slot per finished module output
+        self._order: list[int] = []  # module index of each slot, in completion order
         self._loss_bad: torch.Tensor | None = None
         self._kept_first: torch.Tensor | None = None
         self._kept_loss: torch.Tensor | None = None
+        self._index_table: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._handles = [
             module.register_forward_hook(self._hook(index))
             for index, (_, module) in enumerate(model.named_modules())
@@ -275,16 +278,36 @@ class NonFiniteTracer:
 
     def _hook(self, index: int) -> Any:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            tensors = [t for t in _flatten(output) if t.is_floating_point() and t.numel()]
-            if not tensors:
-                return
-            bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).any()
-            if self._first is None:
-                self._first = torch.full((), self._NONE, dtype=torch.int64, device=bad.device)
-            first = self._first
-            first.copy_(torch.where(bad & (first == self._NONE), index, first))
+            for t in _flatten(output):
+                if t.is_floating_point() and t.numel():
+                    self._record(index, torch.sum(t.detach(), dtype=torch.float32))
 
         return hook
+
+    def _record(self, index: int, total: torch.Tensor) -> None:
+        slot = len(self._order)
+        if self._sums is None or slot >= self._sums.numel():
+            grown = torch.zeros(max(64, 2 * slot), dtype=torch.float32, device=total.device)
+            if self._sums is not None:
+                grown[:slot].copy_(self._sums[:slot])
+            self._sums = grown
+        self._sums[slot].copy_(total)
+        self._order.append(index)
+
+    def _first(self) -> torch.Tensor | None:
+        """On device: the module index of the first non-finite slot, or ``_NONE``."""
+        if self._sums is None or not self._order:
+            return None
+        n = len(self._order)
+        order = tuple(self._order)
+        if self._index_table is None or self._index_table[0] != order:
+            table = torch.tensor((*order, self._NONE), dtype=torch.int64)
+            if self._sums.device.type == "cuda":
+                table = table.pin_memory().to(self._sums.device, non_blocking=True)
+            self._index_table = (order, table.to(self._sums.device))
+        bad = ~torch.isfinite(self._sums[:n])
+        first_slot = torch.where(bad.any(), bad.to(torch.int8).argmax(), n)
+        return self._index_table[1][first_slot]
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Remember whether ``loss`` (before scaling) is non-finite; no host sync."""
@@ -293,12 +316,13 @@ class NonFiniteTracer:
 
     def commit(self, found: torch.Tensor) -> None:
         """At the scaler's ``update()``: keep this iteration's record if it skipped, then reset."""
-        if self._first is not None:
+        first = self._first()
+        if first is not None:
             if self._kept_first is None:
-                self._kept_first = torch.full_like(self._first, self._NONE)
-            flag = found.to(self._first.device)
-            self._kept_first.copy_(torch.where(flag, self._first, self._kept_first))
-            self._first.fill_(self._NONE)
+                self._kept_first = torch.full_like(first, self._NONE)
+            flag = found.to(first.device)
+            self._kept_first.copy_(torch.where(flag, first, self._kept_first))
+        self._order = []
         if self._loss_bad is not None:
             if self._kept_loss is None:
                 self._kept_loss = torch.zeros_like(self._loss_bad)
@@ -307,9 +331,9 @@ class NonFiniteTracer:
             self._loss_bad = None
 
     def first_nonfinite(self, kept: bool = False) -> str | None:
-        """The first module whose output was non-finite: in the current forward, or (``kept``)
+        """The first module whose output was non-finite: since the last commit, or (``kept``)
         at the last skipped step. Host sync, on request."""
-        value = self._kept_first if kept else self._first
+        value = self._kept_first if kept else self._first()
         if value is None:
             return None
         index = int(value.item())
