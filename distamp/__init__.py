@@ -6,6 +6,7 @@ Public API only; see the README for the workflows it supports. The ``distamp`` c
 
 from __future__ import annotations
 
+from distamp.audit import audit
 from distamp.cluster import (
     DistEnv,
     RendezvousError,
@@ -15,11 +16,12 @@ from distamp.cluster import (
 )
 from distamp.engine import AMPConfig, DistAMP
 from distamp.metrics import StepResult
-from distamp.policy import Precision, parse_precision
+from distamp.policy import AutocastPolicy, Precision, parse_precision
 from distamp.scaler import DistributedGradScaler, ScalerStateError, ScaleUnderflowError
 
 __all__ = [
     "AMPConfig",
+    "AutocastPolicy",
     "DistAMP",
     "DistEnv",
     "DistributedGradScaler",
@@ -28,6 +30,7 @@ __all__ = [
     "ScaleUnderflowError",
     "ScalerStateError",
     "StepResult",
+    "audit",
     "detect_environment",
     "expand_nodelist",
     "init_distributed",

@@ -26,14 +26,23 @@ from torch import nn
 from distamp.checkpoint import load_checkpoint, save_checkpoint
 from distamp.diagnostics import NonFiniteTracer, ScaleHealth
 from distamp.metrics import Metrics, StepResult, WindowStats
-from distamp.policy import MPOwner, Precision, PrecisionLike, parse_precision, select_mp_owner
+from distamp.policy import (
+    AutocastPolicy,
+    MPOwner,
+    Precision,
+    PrecisionLike,
+    parse_precision,
+    select_mp_owner,
+)
 from distamp.scaler import DistributedGradScaler
 from distamp.strategies import (
+    COMM_HOOKS,
     SHARDED,
     STRATEGIES,
     apply_strategy,
     gradient_sync_disabled,
     rebuild_optimizer,
+    register_comm_hook,
     resolve_strategy,
 )
 
@@ -55,7 +64,9 @@ class AMPConfig:
 
     precision: Precision
     strategy: str = "auto"
-    policy: Any = None
+    policy: AutocastPolicy | None = None
+    comm_hook: str | None = None
+    hsdp_shard_size: int | None = None
     grad_accum_steps: int = 1
     max_grad_norm: float | None = None
     scaler: DistributedGradScaler | None = None
@@ -66,9 +77,21 @@ class AMPConfig:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is not one of {STRATEGIES}")
         if self.policy is not None:
+            if not isinstance(self.policy, AutocastPolicy):
+                raise ValueError(
+                    f"policy={self.policy!r} must be a distamp.AutocastPolicy, 'default' or None"
+                )
+            if self.policy.precision != self.precision:
+                raise ValueError(
+                    f"policy={self.policy!r} is for {self.policy.precision}, but "
+                    f"precision={self.precision.name!r}: pass the same precision to both"
+                )
+        if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
+            raise ValueError(f"comm_hook={self.comm_hook!r} is not one of {COMM_HOOKS} or None")
+        if self.comm_hook is not None and self.strategy not in ("auto", "ddp"):
             raise ValueError(
-                f"policy={self.policy!r}: per-module autocast policies are not supported yet; "
-                "pass policy=None (every module then follows torch.autocast's op rules)"
+                f"comm_hook={self.comm_hook!r} with strategy={self.strategy!r}: comm hooks are "
+                "DDP's; use strategy='ddp' (or 'auto') or comm_hook=None"
             )
         n = self.grad_accum_steps
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -100,7 +123,13 @@ class DistAMP:
             bf16 and fp32 need no loss scaling and get a disabled one.
         strategy: "ddp", "fsdp" (FSDP1), "fsdp2" (``fully_shard``), "none", or "auto" (ddp when
             more than one rank, else none).
-        policy: reserved for per-module autocast policies; must be ``None`` for now.
+        policy: an :class:`~distamp.AutocastPolicy` (its precision must be ``precision``), or
+            ``"default"`` for ``AutocastPolicy(precision)``: fp32 modules and ops, identical on
+            CPU and CUDA; under FSDP also the per-unit gather/reduce dtypes. ``None``: plain
+            autocast.
+        comm_hook: DDP gradient compression aware of loss scaling: ``"fp16"``, ``"bf16"``,
+            ``"powersgd"`` (see :mod:`distamp.strategies.comm_hooks`), or ``None``.
+        hsdp_shard_size: ranks per shard group for ``strategy="hsdp"`` (default: one node).
         grad_accum_steps: micro-batches per optimizer step; each loss is divided by it.
         max_grad_norm: clip the total gradient norm to this after unscaling; ``None``: no clip.
         scaler: a scaler to use instead of the default one (e.g. ``sync_free=True``).
@@ -118,20 +147,29 @@ class DistAMP:
         self,
         precision: PrecisionLike = "bf16",
         strategy: str = "auto",
-        policy: Any = None,
+        policy: AutocastPolicy | str | None = None,
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
         scaler: DistributedGradScaler | None = None,
         timeout: float | timedelta = 300.0,
         device: str | torch.device | None = None,
         trace_nonfinite: bool = False,
+        comm_hook: str | None = None,
+        hsdp_shard_size: int | None = None,
     ) -> None:
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
+        parsed = parse_precision(precision)
+        if policy == "default":
+            policy = AutocastPolicy(parsed)
+        elif isinstance(policy, str):
+            raise ValueError(f"policy={policy!r}: pass an AutocastPolicy, 'default' or None")
         self.config = AMPConfig(
-            precision=parse_precision(precision),
+            precision=parsed,
             strategy=strategy,
             policy=policy,
+            comm_hook=comm_hook,
+            hsdp_shard_size=hsdp_shard_size,
             grad_accum_steps=grad_accum_steps,
             max_grad_norm=max_grad_norm,
             scaler=scaler,
@@ -155,6 +193,7 @@ class DistAMP:
         self.tracer: NonFiniteTracer | None = None
         self._health = ScaleHealth()
         self._skips_seen = 0
+        self.comm_hook_state: Any = None
 
     @property
     def precision(self) -> Precision:
@@ -219,8 +258,20 @@ class DistAMP:
         names = {id(p): n for n, p in model.named_parameters()}
         model = model.to(self.device)
         fsdp_dtype = cfg.precision.compute_dtype if self.mp_owner == "fsdp" else None
+        if cfg.comm_hook is not None and self.strategy != "ddp":
+            raise ValueError(
+                f"comm_hook={cfg.comm_hook!r}: strategy resolved to {self.strategy!r}, which has "
+                "no DDP comm hooks (one process resolves 'auto' to 'none'); use comm_hook=None"
+            )
+        if cfg.policy is not None:
+            cfg.policy.apply(model)  # before wrapping: the hooks stay on FSDP's units
         wrapped = apply_strategy(
-            model, strategy=self.strategy, device=self.device, fsdp_dtype=fsdp_dtype
+            model,
+            strategy=self.strategy,
+            device=self.device,
+            fsdp_dtype=fsdp_dtype,
+            policy=cfg.policy if self.strategy in SHARDED else None,
+            hsdp_shard_size=cfg.hsdp_shard_size,
         )
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(list(wrapped.parameters()))
@@ -235,6 +286,9 @@ class DistAMP:
         )
         # Names for reports; DDP: no extra collective; FSDP1: which parameters are shards.
         self.scaler.register_module(wrapped)
+        if cfg.comm_hook is not None:
+            assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+            self.comm_hook_state = register_comm_hook(wrapped, cfg.comm_hook, scaler=self.scaler)
         if self.trace_nonfinite:
             self.tracer = NonFiniteTracer(model)  # the unwrapped model: its module names
             self.scaler.attach_tracer(self.tracer)
@@ -245,7 +299,13 @@ class DistAMP:
     # ------------------------------------------------------------------ the step
     def autocast(self) -> AbstractContextManager[Any]:
         """The forward-pass context: ``torch.autocast`` on the model's device type with the
-        compute dtype (fp16 included on CPU), or nothing when fp32 or when FSDP's policy casts."""
+        compute dtype (fp16 included on CPU), or nothing when fp32 or when FSDP's policy casts.
+        With a policy: the policy's context (autocast plus its fp32 ops), also under FSDP's
+        casting, so that fp32 units and ops mix with low-precision ones."""
+        if self.config.policy is not None:
+            return self.config.policy.autocast(
+                self.device.type, enabled=self.precision.compute_dtype is not None
+            )
         if self.mp_owner != "autocast":
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.precision.compute_dtype)

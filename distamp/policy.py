@@ -1,20 +1,38 @@
-"""Precision parsing and the one place that decides who owns mixed precision.
+"""Precision parsing, the one place that decides who owns mixed precision, and precision policies.
 
 Frameworks spell the same three training precisions a dozen ways ("16-mixed", "fp16",
 ``torch.float16``, Accelerate's "no"). :func:`parse_precision` folds every spelling into one small
 :class:`Precision` value so that nothing downstream compares strings. :func:`select_mp_owner` is
 the only function that branches on (precision, strategy, device) to choose between autocast and
 FSDP's own mixed-precision policy; the engine and the strategies ask it instead of re-deriving it.
+
+:class:`AutocastPolicy` says which modules and ops stay in fp32, identically on every device: CPU
+autocast keeps softmax, layer_norm, exp, sum... in bf16/fp16 when their input is low precision,
+while CUDA autocast runs them in fp32, so the same model would otherwise train with different
+numerics on CPU and GPU.
 """
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["MPOwner", "Precision", "PrecisionLike", "parse_precision", "select_mp_owner"]
+__all__ = [
+    "AutocastPolicy",
+    "MPOwner",
+    "Precision",
+    "PrecisionLike",
+    "parse_precision",
+    "select_mp_owner",
+]
 
 MPOwner = Literal["none", "autocast", "fsdp"]
 """Who casts to the compute dtype: nobody (fp32), ``torch.autocast``, or FSDP's policy."""
@@ -104,11 +122,304 @@ def select_mp_owner(precision: Precision, strategy: str, device_type: str) -> MP
 
     Args:
         precision: a parsed precision.
-        strategy: the resolved strategy: ``"none"``, ``"ddp"``, ``"fsdp"`` or ``"fsdp2"``.
+        strategy: the resolved strategy: ``"none"``, ``"ddp"``, ``"fsdp"``, ``"fsdp2"`` or
+            ``"hsdp"`` (FSDP2 on a 2-D mesh).
         device_type: the model's device type (``"cpu"``, ``"cuda"``...).
     """
     if precision.compute_dtype is None:
         return "none"
-    if strategy in ("fsdp", "fsdp2") and device_type == "cuda":
+    if strategy in ("fsdp", "fsdp2", "hsdp") and device_type == "cuda":
         return "fsdp"
     return "autocast"
+
+
+# ---------------------------------------------------------------------------- precision policies
+
+DEFAULT_FP32_MODULES: tuple[type[nn.Module], ...] = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.LocalResponseNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+)
+"""Normalization layers: their mean/variance reductions lose the most in 8 mantissa bits."""
+
+DEFAULT_FP32_OPS: frozenset[str] = frozenset(
+    {
+        # normalization (functional forms, for models that call them directly)
+        "layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm", "normalize",
+        # softmax and friends: attention probabilities, log-likelihoods
+        "softmax", "log_softmax", "logsumexp", "softmin",
+        # losses
+        "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+        "kl_div", "binary_cross_entropy_with_logits", "poisson_nll_loss",
+        # reductions and transcendental ops that CUDA autocast runs in fp32
+        "sum", "cumsum", "prod", "cumprod", "norm", "exp", "expm1", "log", "log1p", "log2",
+        "log10", "pow", "rsqrt", "reciprocal", "softplus", "cosine_similarity", "cdist",
+    }
+)  # fmt: skip
+"""Ops forced to fp32: the ones CUDA autocast runs in fp32 and CPU autocast does not (measured on
+torch 2.13: softmax, log_softmax, layer_norm, group_norm, exp, sum and cumsum stay bf16 on CPU),
+plus the losses. Matched by name, so ``torch.softmax``, ``F.softmax`` and ``Tensor.softmax`` all
+count. ``F.scaled_dot_product_attention`` is one op, not a softmax: its kernels accumulate the
+softmax in fp32 internally on both device types."""
+
+ModuleSpec = type[nn.Module] | str
+"""A module class (matched with ``isinstance``) or a pattern (``fnmatch``, matched against the
+qualified name, e.g. ``"blocks.*.ln1"`` or ``"lm_head"``, and against the class name)."""
+
+_LOW = (torch.float16, torch.bfloat16)
+_PROBE_DEVICES = ("cpu", "cuda")
+
+
+def _to_fp32(value: Any) -> Any:
+    """``value`` with every low-precision floating tensor in it (nested in lists, tuples and
+    dicts) cast to fp32; everything else untouched."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in _LOW else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_fp32(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _to_fp32(v) for k, v in value.items()}
+    return value
+
+
+def _autocast_devices(values: Iterable[Any]) -> list[str]:
+    """The device types whose autocast is enabled right now (inputs' devices first)."""
+    kinds = {v.device.type for v in values if isinstance(v, torch.Tensor)}
+    kinds.update(_PROBE_DEVICES)
+    return [k for k in sorted(kinds) if torch.amp.is_autocast_available(k)
+            and torch.is_autocast_enabled(k)]  # fmt: skip
+
+
+@contextmanager
+def _fp32_region(devices: list[str]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for kind in devices:
+            stack.enter_context(torch.autocast(kind, enabled=False))
+        yield
+
+
+class _Fp32Ops(TorchFunctionMode):
+    """Runs the named ops with autocast off and low-precision inputs cast to fp32.
+
+    A ``TorchFunctionMode`` sees ``torch.X``, ``F.X`` and ``Tensor.X`` calls before autocast's
+    dispatch does, which is the only public place to override autocast's per-op choice. It is
+    active only inside :meth:`AutocastPolicy.autocast` (the forward), and passes every call
+    through untouched where autocast is off (fp32 modules, ``custom_fwd(cast_inputs=...)``).
+    """
+
+    def __init__(self, names: frozenset[str], cast_inputs: bool) -> None:
+        super().__init__()
+        self.names = names
+        self.cast_inputs = cast_inputs
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) not in self.names:
+            return func(*args, **kwargs)
+        devices = _autocast_devices(args)
+        if not devices:
+            return func(*args, **kwargs)
+        if self.cast_inputs:
+            args, kwargs = _to_fp32(args), _to_fp32(kwargs)
+        with _fp32_region(devices):
+            return func(*args, **kwargs)
+
+
+class AutocastPolicy:
+    """Declarative precision: which modules and ops stay in fp32 under mixed precision.
+
+    Autocast alone decides per op and per device type, so a model trains with different numerics
+    on CPU and CUDA, and nothing says "keep this module in fp32" (FSDP1 keeps only BatchNorm;
+    FSDP2's policy is per ``fully_shard`` unit). A policy states it once and is applied the same
+    way everywhere: by :class:`~distamp.DistAMP` (``DistAMP(policy=...)``), or alone::
+
+        policy = AutocastPolicy("bf16")
+        policy.apply(model)                       # fp32 modules: autocast off inside them
+        with policy.autocast("cpu"):              # autocast + fp32 ops
+            loss = loss_fn(model(x), y)
+
+    Args:
+        precision: the low-precision compute dtype (any :func:`parse_precision` spelling).
+        fp32_modules: module classes or name patterns (see :data:`ModuleSpec`) that run with
+            autocast off. Default: the normalization layers.
+        fp32_ops: op names run in fp32 under autocast. Default: :data:`DEFAULT_FP32_OPS`
+            (softmax/log_softmax, normalizations, losses, CUDA autocast's fp32 reductions).
+        cast_inputs: cast low-precision floating inputs of fp32 modules and ops to fp32. With
+            ``False`` the regions only turn autocast off, so they compute in their inputs' dtype
+            (for modules that manage their own casting).
+        reduce_dtype: the dtype FSDP reduces gradients in. fp32 by default: the loss scaler
+            then sees fp32 gradients and an fp16 reduction of scaled gradients cannot overflow.
+
+    Raises:
+        ValueError: a bad precision, or an entry of ``fp32_modules`` that is neither a module
+            class nor a string.
+    """
+
+    def __init__(
+        self,
+        precision: PrecisionLike = "bf16",
+        *,
+        fp32_modules: Iterable[ModuleSpec] = DEFAULT_FP32_MODULES,
+        fp32_ops: Iterable[str] = DEFAULT_FP32_OPS,
+        cast_inputs: bool = True,
+        reduce_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.precision = parse_precision(precision)
+        self.fp32_modules: tuple[ModuleSpec, ...] = tuple(fp32_modules)
+        for spec in self.fp32_modules:
+            if not (
+                isinstance(spec, str) or (isinstance(spec, type) and issubclass(spec, nn.Module))
+            ):
+                raise ValueError(
+                    f"fp32_modules: {spec!r} is neither an nn.Module subclass nor a name pattern "
+                    "(e.g. nn.LayerNorm, 'lm_head', 'blocks.*.ln1')"
+                )
+        if isinstance(fp32_ops, str):
+            raise ValueError(f"fp32_ops={fp32_ops!r} must be a collection of op names, not one")
+        self.fp32_ops = frozenset(fp32_ops)
+        self.cast_inputs = bool(cast_inputs)
+        self.reduce_dtype = reduce_dtype
+        self._handles: dict[int, list[RemovableHandle]] = {}
+
+    def __repr__(self) -> str:
+        mods = ", ".join(s if isinstance(s, str) else s.__name__ for s in self.fp32_modules)
+        return (
+            f"AutocastPolicy({self.precision.name!r}, fp32_modules=({mods}), "
+            f"fp32_ops=<{len(self.fp32_ops)} ops>, cast_inputs={self.cast_inputs})"
+        )
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return self.precision.compute_dtype
+
+    # ------------------------------------------------------------------ modules
+    def is_fp32_module(self, name: str, module: nn.Module) -> bool:
+        """Whether ``module`` (qualified ``name`` in its model) must run in fp32."""
+        for spec in self.fp32_modules:
+            if isinstance(spec, str):
+                if fnmatch.fnmatchcase(name, spec) or fnmatch.fnmatchcase(
+                    type(module).__name__, spec
+                ):
+                    return True
+            elif isinstance(module, spec):
+                return True
+        return False
+
+    def fp32_modules_of(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The ``(name, module)`` pairs of ``model`` that run in fp32, outermost only (a module
+        inside an fp32 module is covered by it)."""
+        found: list[tuple[str, nn.Module]] = []
+        covered: set[int] = set()
+        for name, module in model.named_modules():
+            if id(module) in covered or not self.is_fp32_module(name, module):
+                continue
+            found.append((name, module))
+            covered.update(id(m) for m in module.modules())
+        return found
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Make the fp32 modules of ``model`` run with autocast off (inputs cast to fp32 when
+        ``cast_inputs``), through forward hooks; idempotent. No host sync.
+
+        The hooks act only while autocast is on, so the model still trains unchanged in fp32.
+        Apply before wrapping for FSDP: the hooks stay on the modules ``fully_shard`` converts.
+
+        Returns:
+            ``model`` itself.
+        """
+        for _, module in self.fp32_modules_of(model):
+            if id(module) not in self._handles:
+                self._handles[id(module)] = _fp32_hooks(module, self.cast_inputs)
+        return model
+
+    def remove(self) -> None:
+        """Remove every hook :meth:`apply` registered."""
+        for handles in self._handles.values():
+            for h in handles:
+                h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ ops
+    @contextmanager
+    def autocast(self, device_type: str, *, enabled: bool = True) -> Iterator[None]:
+        """The forward context: ``torch.autocast(device_type, dtype=compute_dtype)`` with the
+        fp32 ops forced to fp32. Nothing at all for an fp32 policy or ``enabled=False``."""
+        if not enabled or self.compute_dtype is None:
+            yield
+            return
+        with (
+            torch.autocast(device_type, dtype=self.compute_dtype),
+            _Fp32Ops(self.fp32_ops, self.cast_inputs),
+        ):
+            yield
+
+    # ------------------------------------------------------------------ FSDP
+    def fsdp2_policy(self, *, fp32: bool = False) -> Any:
+        """FSDP2 ``MixedPrecisionPolicy`` for an ordinary unit (gather in the compute dtype) or,
+        with ``fp32``, for an fp32 module's own unit (gather, compute and reduce in fp32)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if fp32 or self.compute_dtype is None:
+            return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
+
+    def fsdp1_policy(self, *, fp32: bool = False) -> Any:
+        """FSDP1 ``MixedPrecision``, as :meth:`fsdp2_policy`. fp32 units cast their inputs to
+        fp32 themselves (FSDP1 casts only at the root by default)."""
+        from torch.distributed.fsdp import MixedPrecision
+
+        if fp32 or self.compute_dtype is None:
+            return MixedPrecision(
+                param_dtype=torch.float32,
+                reduce_dtype=torch.float32,
+                buffer_dtype=torch.float32,
+                cast_forward_inputs=self.cast_inputs,
+            )
+        return MixedPrecision(
+            param_dtype=self.compute_dtype,
+            reduce_dtype=self.reduce_dtype,
+            # Buffers (BatchNorm's running stats) stay fp32: they accumulate over steps.
+            buffer_dtype=torch.float32,
+        )
+
+
+def _fp32_hooks(module: nn.Module, cast_inputs: bool) -> list[RemovableHandle]:
+    """Pre/post forward hooks that turn autocast off for ``module``'s forward.
+
+    The post hook is registered with ``always_call=True`` so that a forward that raises still
+    leaves the autocast state as it found it. A stack per module keeps re-entrant calls right.
+    """
+    stack: list[ExitStack] = []
+
+    def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        devices = _autocast_devices(list(args) + list(kwargs.values()))
+        ctx = ExitStack()
+        if devices:
+            ctx.enter_context(_fp32_region(devices))
+        stack.append(ctx)
+        if devices and cast_inputs:
+            return _to_fp32(args), _to_fp32(kwargs)
+        return None
+
+    def post(_m: nn.Module, _args: Any, _out: Any) -> None:
+        if stack:
+            stack.pop().close()
+
+    return [
+        module.register_forward_pre_hook(pre, with_kwargs=True),
+        module.register_forward_hook(post, always_call=True),
+    ]

@@ -76,6 +76,8 @@ def test_valid_list_round_trips() -> None:
         ("bf16", "fsdp", "cuda", "fsdp"),
         ("fp16", "fsdp2", "cuda", "fsdp"),
         ("bf16", "fsdp2", "cpu", "autocast"),
+        ("bf16", "hsdp", "cuda", "fsdp"),
+        ("bf16", "hsdp", "cpu", "autocast"),
         ("fp16", "fsdp", "cpu", "autocast"),
         ("bf16", "ddp", "cuda", "autocast"),
         ("fp16", "none", "cpu", "autocast"),

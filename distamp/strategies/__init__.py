@@ -3,6 +3,7 @@
 Everything here that depends on the wrapper type (DDP, FSDP1, FSDP2) lives in this module, so
 the engine never inspects a wrapper itself. The wrap functions are plain keyword-only functions
 (:func:`apply_ddp`, :func:`apply_fsdp1`, :func:`apply_fsdp2`); :func:`apply_strategy` picks one.
+Loss-scale-aware DDP communication hooks live in :mod:`distamp.strategies.comm_hooks`.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.policy import AutocastPolicy
+from distamp.strategies.comm_hooks import COMM_HOOKS, register_comm_hook
 from distamp.strategies.ddp import apply_ddp
 from distamp.strategies.fsdp import (
     apply_fsdp1,
     apply_fsdp2,
     fsdp1_mixed_precision,
     fsdp2_mixed_precision,
+    hsdp_mesh,
 )
 
 __all__ = [
+    "COMM_HOOKS",
     "STRATEGIES",
     "apply_ddp",
     "apply_fsdp1",
@@ -33,12 +38,14 @@ __all__ = [
     "apply_strategy",
     "clip_grad_norm",
     "gradient_sync_disabled",
+    "hsdp_mesh",
     "rebuild_optimizer",
+    "register_comm_hook",
     "resolve_strategy",
 ]
 
-STRATEGIES: tuple[str, ...] = ("auto", "none", "ddp", "fsdp", "fsdp2")
-SHARDED: tuple[str, ...] = ("fsdp", "fsdp2")
+STRATEGIES: tuple[str, ...] = ("auto", "none", "ddp", "fsdp", "fsdp2", "hsdp")
+SHARDED: tuple[str, ...] = ("fsdp", "fsdp2", "hsdp")
 
 
 def resolve_strategy(strategy: str, world_size: int) -> str:
@@ -58,13 +65,20 @@ def apply_strategy(
     strategy: str,
     device: torch.device,
     fsdp_dtype: torch.dtype | None = None,
+    policy: AutocastPolicy | None = None,
+    hsdp_shard_size: int | None = None,
 ) -> nn.Module:
     """Wrap ``model`` (already on ``device``) for a resolved ``strategy``.
 
     Args:
-        strategy: ``"none"``, ``"ddp"``, ``"fsdp"`` or ``"fsdp2"``.
+        strategy: ``"none"``, ``"ddp"``, ``"fsdp"``, ``"fsdp2"`` or ``"hsdp"`` (FSDP2 on a
+            2-D replicate x shard mesh, see :func:`distamp.strategies.fsdp.hsdp_mesh`).
         fsdp_dtype: compute dtype for FSDP's own mixed-precision policy, when it owns mixed
             precision (see :func:`distamp.policy.select_mp_owner`); ``None``: no FSDP policy.
+            Ignored when ``policy`` is given.
+        policy: a precision policy; FSDP then gathers each unit in the policy's dtypes, fp32
+            modules in their own fp32 units (on every device: the policy owns the dtypes).
+        hsdp_shard_size: ranks per shard group for ``"hsdp"``.
 
     Raises:
         ValueError: unknown strategy, or a distributed strategy without a process group.
@@ -85,12 +99,16 @@ def apply_strategy(
         return apply_ddp(model, device=device)
     if strategy == "fsdp":
         mp1 = fsdp1_mixed_precision(fsdp_dtype) if fsdp_dtype is not None else None
-        return apply_fsdp1(model, device=device, mp_policy=mp1)
+        return apply_fsdp1(model, device=device, mp_policy=mp1, precision_policy=policy)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if strategy == "hsdp":
+        mesh = hsdp_mesh(device.type, dist.get_world_size(), hsdp_shard_size)
+    else:
+        # Explicit even on CPU: FSDP2's default mesh is built for CUDA.
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp2 = fsdp2_mixed_precision(fsdp_dtype) if fsdp_dtype is not None else None
-    return apply_fsdp2(model, mesh=mesh, mp_policy=mp2)
+    return apply_fsdp2(model, mesh=mesh, mp_policy=mp2, precision_policy=policy)
 
 
 @contextmanager
