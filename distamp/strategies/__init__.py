@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -36,7 +36,6 @@ __all__ = [
     "apply_fsdp1",
     "apply_fsdp2",
     "apply_strategy",
-    "clip_grad_norm",
     "gradient_sync_disabled",
     "hsdp_mesh",
     "rebuild_optimizer",
@@ -132,26 +131,6 @@ def gradient_sync_disabled(model: nn.Module) -> AbstractContextManager[None]:
         return _fsdp2_no_sync(model)
     no_sync = getattr(model, "no_sync", None)
     return no_sync() if callable(no_sync) else nullcontext()
-
-
-def clip_grad_norm(
-    model: nn.Module, params: Iterable[torch.Tensor], max_norm: float
-) -> torch.Tensor:
-    """Clip the gradients of ``params`` to total norm ``max_norm``; return the norm before
-    clipping as a plain 0-dim tensor on the gradients' device (no host sync).
-
-    FSDP1 must use its own ``clip_grad_norm_``: each rank holds a shard of a flat gradient and only
-    the wrapper knows how to combine the shards' norms. FSDP2's gradients are DTensors, for which
-    ``torch.nn.utils.clip_grad_norm_`` reduces across the mesh itself; its DTensor result is made
-    whole with ``full_tensor()``. DDP's gradients are replicated, so the local norm is the norm.
-    """
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if isinstance(model, FullyShardedDataParallel):
-        return model.clip_grad_norm_(max_norm)
-    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
-    full = getattr(norm, "full_tensor", None)
-    return full() if callable(full) else norm
 
 
 def rebuild_optimizer(
