@@ -10,6 +10,7 @@ counters in :mod:`distamp.metrics`.
 
 from __future__ import annotations
 
+import gc
 import math
 import warnings
 from collections.abc import Callable
@@ -437,13 +438,23 @@ class DistAMP:
         """Finish the job cleanly on every rank. Collective: call on every rank.
 
         A barrier first, so that no rank tears down its communication while a peer is still
-        sending (over gloo that aborts the late process at exit), then the process group is
-        destroyed if :meth:`setup` created it. Idempotent.
+        sending; then the wrapped model, optimizer and hooks are released, so that DDP's reducer
+        and the process group it references are destroyed now, in order, rather than during
+        interpreter shutdown (where gloo's threads can abort the process: "terminate called
+        without an active exception"); then the process group is destroyed if :meth:`setup`
+        created it. The engine cannot train after this. Idempotent.
         """
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
-            if self._owns_group:
-                dist.destroy_process_group()
+        if self.tracer is not None:
+            self.tracer.remove()
+            self.scaler.attach_tracer(None)
+        self._model = self._optimizer = self.scheduler = self.tracer = None
+        self.comm_hook_state = None
+        self.scaler = make_scaler(self.device.type, False)  # it holds process-group handles
+        gc.collect()
+        if self._owns_group and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
         self._owns_group = False
 
     # ------------------------------------------------------------------ the loop
