@@ -103,7 +103,7 @@ def _make_scaler(name: str, model: nn.Module) -> Any:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler("cpu")
-    scaler = DistributedGradScaler("cpu")
+    scaler = DistributedGradScaler("cpu", report_overflow="no report" not in name)
     if name == "distamp (DDP registered)":
         scaler.register_module(model)
     return scaler
@@ -183,6 +183,7 @@ def _measure(
 CASES = [
     ("ddp", "torch GradScaler"),
     ("ddp", "distamp"),
+    ("ddp", "distamp (no report)"),
     ("ddp", "distamp (DDP registered)"),
     ("fsdp1", "torch GradScaler"),
     ("fsdp1", "ShardedGradScaler"),
