@@ -5,6 +5,11 @@ instead adds each micro-batch's loss into a device tensor and counts tokens in P
 logging step :meth:`Metrics.collect` packs everything into one tensor, reduces it across ranks
 with ONE collective and reads it with ONE host sync. :class:`ProgressPrinter` is the rank-0 side:
 a progress line on stderr and a JSON-lines file of the collected windows.
+
+:class:`AMPMetrics` is the same idea for loops the engine does not run (the Accelerate and
+Lightning integrations): after each optimizer step it adds the scaler's on-device skip flag and
+the clipping norm to device counters, and :meth:`AMPMetrics.compute` turns them into a plain dict
+at the logging interval. Writers for such dicts live in :mod:`distamp.metrics_writers`.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-__all__ = ["Metrics", "ProgressPrinter", "StepResult", "WindowStats"]
+__all__ = ["AMPMetrics", "Metrics", "ProgressPrinter", "StepResult", "WindowStats"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,9 @@ class WindowStats:
         stop: whether any rank asked to stop (see ``collect(stop=...)``).
         overflow: the one-line overflow report when the window skipped a step (the engine
             fills it in from ``scaler.overflow_report()``), else ``None``.
+        overflow_rate: skipped steps / steps in the window. The first window of a process
+            divides all skips so far by all steps so far (after a resume both include the
+            restored counts), since no earlier window is known.
     """
 
     step: int
@@ -48,6 +56,7 @@ class WindowStats:
     grad_norm: float | None
     stop: bool
     overflow: str | None = None
+    overflow_rate: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +120,8 @@ class Metrics:
         self._last_step_loss = self._zero.clone()
         self._last_step_micro = 1
         self._grad_norm: torch.Tensor | None = None
+        self._skips_seen: int | None = None  # skipped_steps at the previous collect
+        self._steps_seen = 0
 
     def _reset_window(self) -> None:
         self._loss = self._zero.clone()
@@ -169,15 +180,22 @@ class Metrics:
                 dist.all_reduce(packed)
         loss_sum, micro, tokens, stops, last_sum, norm_sum = packed.tolist()  # host sync: logging
         enabled = scaler is not None and scaler.is_enabled()
+        skipped = int(scaler.skipped_steps) if enabled else 0  # host sync: logging
+        if self._skips_seen is None:  # first window: everything so far (see WindowStats)
+            window_skips, window_steps = skipped, step
+        else:
+            window_skips, window_steps = skipped - self._skips_seen, step - self._steps_seen
+        self._skips_seen, self._steps_seen = skipped, step
         stats = WindowStats(
             step=step,
             loss=loss_sum / max(micro, 1.0),
             last_loss=last_sum / world,
             loss_scale=float(scaler.get_scale()) if enabled else 1.0,  # host sync: logging
-            skipped_steps=int(scaler.skipped_steps) if enabled else 0,  # host sync: logging
+            skipped_steps=skipped,
             tokens_per_s=tokens / elapsed,
             grad_norm=norm_sum / world if self._grad_norm is not None else None,
             stop=stops > 0,
+            overflow_rate=window_skips / window_steps if window_steps > 0 else 0.0,
         )
         self._reset_window()
         return stats
@@ -235,3 +253,87 @@ class ProgressPrinter:
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class AMPMetrics:
+    """Mixed-precision health of a loop distamp does not drive (Accelerate, Lightning).
+
+    Call :meth:`step` after each optimizer step (after the scaler's ``update``) and
+    :meth:`add_tokens` per micro-batch; neither syncs with the device nor communicates, so they
+    cost nothing at every step. :meth:`compute` at the logging interval packs the window into one
+    tensor, reduces it with ONE collective and reads it with ONE host sync (plus one each for the
+    scaler's scale and skip counter), and returns a plain dict for a writer
+    (:mod:`distamp.metrics_writers`) or a framework's own logger.
+
+    Args:
+        device: where the counters live (the device the scaler's flags are on).
+    """
+
+    KEYS = ("loss_scale", "skipped_steps", "overflow_rate", "grad_norm", "tokens_per_s", "steps")
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._skips = self._zero.clone()
+        self._steps = 0
+        self._tokens = 0
+        self._norm: torch.Tensor | None = None
+        self._t0 = time.perf_counter()
+
+    def add_tokens(self, tokens: int) -> None:
+        """Count tokens processed by this rank (any granularity: batch or micro-batch)."""
+        self._tokens += int(tokens)
+
+    def step(self, scaler: Any = None, grad_norm: torch.Tensor | float | None = None) -> None:
+        """Record one optimizer step. No host sync.
+
+        Args:
+            scaler: the loss scaler after ``update()``; its ``last_step_skipped`` tensor (if it
+                has one) is added on device. ``None`` or a disabled scaler: never skipped.
+            grad_norm: the total gradient norm of the step before clipping (unscaled), if
+                clipping ran; the window reports the last one.
+        """
+        self._steps += 1
+        if scaler is not None and scaler.is_enabled():
+            flag = getattr(scaler, "last_step_skipped", None)
+            if isinstance(flag, torch.Tensor):
+                self._skips += flag.to(self.device, torch.float32)
+        if grad_norm is not None:
+            self._norm = torch.as_tensor(grad_norm).detach().to(self.device, torch.float32)
+
+    def compute(self, scaler: Any = None) -> dict[str, float | int | None]:
+        """Close the window and return its figures. Collective when a process group is up: call
+        it on every rank at the same step.
+
+        Returns:
+            ``loss_scale`` (1.0 without a scaler), ``skipped_steps`` (since the start),
+            ``overflow_rate`` (skipped / steps in the window), ``grad_norm`` (last clipping norm
+            in the window, mean over ranks; ``None`` without clipping), ``tokens_per_s`` (all
+            ranks) and ``steps`` (in the window).
+        """
+        elapsed = max(time.perf_counter() - self._t0, 1e-9)
+        norm = self._norm if self._norm is not None else self._zero
+        packed = torch.stack([self._skips, norm, self._zero + self._tokens])
+        world = 1
+        if dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()
+            if world > 1:
+                dist.all_reduce(packed)  # the one collective of the window
+        skips, norm_sum, tokens = packed.tolist()  # host sync: logging only
+        enabled = scaler is not None and scaler.is_enabled()
+        steps = self._steps
+        out: dict[str, float | int | None] = {
+            "loss_scale": float(scaler.get_scale()) if enabled else 1.0,  # host sync: logging
+            "skipped_steps": int(getattr(scaler, "skipped_steps", 0)) if enabled else 0,
+            # every rank took the same skip decision: the sum over ranks counts each skip world
+            # times (a rank-local scaler would show up here as a non-integer rate).
+            "overflow_rate": (skips / world) / steps if steps else 0.0,
+            "grad_norm": norm_sum / world if self._norm is not None else None,
+            "tokens_per_s": tokens / elapsed,
+            "steps": steps,
+        }
+        self._reset()
+        return out

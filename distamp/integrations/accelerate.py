@@ -1,0 +1,264 @@
+"""Run an Accelerate training loop with distamp's scaler, policy and metrics.
+
+Why a subclass of ``accelerate.Accelerator``: Accelerate has no supported way to plug in another
+scaler (its ``kwargs_handlers`` match exact classes, so a subclass of ``GradScalerKwargs`` raises
+``KeyError``), it creates no scaler at all for ``mixed_precision="fp16"`` on CPU (and then trains
+in fp32 without a word), and its ``step_was_skipped`` is inferred from whether the patched
+``optimizer.step`` was called, which a fused optimizer always is (it skips inside the kernel).
+:class:`DistAMPAccelerator` keeps every user-facing method and changes only these places, each
+through an Accelerate *public* method that it overrides and then calls:
+
+- ``__init__``: after Accelerate's own set-up, the fp16 scaler is a
+  :class:`~distamp.DistributedGradScaler` (honouring ``GradScalerKwargs``), on CPU too, and
+  fp16 autocast is switched on for CPU;
+- ``prepare_model``: applies the optional policy (fp32 modules and ops) under Accelerate's autocast;
+- ``prepare_optimizer``: the returned optimizer reports ``step_was_skipped`` from the scaler's
+  rank-agreed on-device flag, and feeds :class:`~distamp.metrics.AMPMetrics`;
+- ``clip_grad_norm_``: one scaler call (unscale + overflow check + norm + clip, one collective,
+  correct for fused optimizers) instead of unscale, then a norm of its own;
+- ``load_state``: reloads the scaler from the checkpoint folder after Accelerate's load, so it
+  round-trips under FSDP2 as well.
+
+The attributes it relies on (``Accelerator.scaler``, ``native_amp``, ``scaler_handler``,
+``AcceleratedOptimizer.scaler``/``gradient_state``) were checked on the versions in
+:data:`SUPPORTED`; other versions are refused at import with the range in the message.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from distamp.integrations import check_version
+
+SUPPORTED = ("1.15.0", "1.16")
+"""Accelerate versions this adapter was tested with: ``>= SUPPORTED[0], < SUPPORTED[1]``."""
+
+ACCELERATE_VERSION = check_version("accelerate", *SUPPORTED, extra="accelerate")
+
+from accelerate import Accelerator  # noqa: E402  (only after the version check)
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from accelerate.utils import DistributedType  # noqa: E402
+
+from distamp.metrics import AMPMetrics  # noqa: E402
+from distamp.scaler import DistributedGradScaler  # noqa: E402
+
+__all__ = ["ACCELERATE_VERSION", "SUPPORTED", "DistAMPAccelerator", "DistAMPOptimizer"]
+
+SCALER_FILE = "scaler.pt"  # the name Accelerate's save_state gives the scaler's state
+
+
+class DistAMPOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper with the skip read from the scaler, not guessed.
+
+    Accelerate's own wrapper decides "skipped" by whether ``optimizer.step`` was reached; a fused
+    optimizer (``fused=True``) is always reached and skips inside its kernel, so a skip goes
+    unreported and an attached LR scheduler steps anyway. Here the scaler's rank-agreed flag is
+    kept (on device) after each real step and read only when :attr:`step_was_skipped` is asked.
+    """
+
+    _distamp_skipped: torch.Tensor | None = None
+    _distamp_accelerator: DistAMPAccelerator | None = None
+
+    def step(self, closure: Any = None) -> None:
+        super().step(closure)
+        scaler = self.scaler
+        if not self.gradient_state.sync_gradients:
+            return  # an accumulation micro-step: Accelerate did not step
+        if isinstance(scaler, DistributedGradScaler) and scaler.is_enabled():
+            self._distamp_skipped = scaler.last_step_skipped
+        owner = self._distamp_accelerator
+        if owner is not None:
+            owner._after_step(scaler)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped for inf/NaN gradients on any rank.
+
+        One host sync (reads the scaler's on-device flag), only when asked.
+        """
+        flag = self._distamp_skipped
+        return False if flag is None else bool(flag)  # host sync, on request
+
+
+class DistAMPAccelerator(Accelerator):
+    """An ``accelerate.Accelerator`` whose fp16 training uses distamp's rank-consistent scaler.
+
+    Use it exactly like ``Accelerator`` (same arguments, same loop: ``prepare``, ``autocast``,
+    ``backward``, ``accumulate``, ``clip_grad_norm_``, ``save_state``/``load_state``); three
+    keyword arguments are added.
+
+    Args:
+        *args, **kwargs: passed to ``accelerate.Accelerator``.
+        scaler: the scaler to use for fp16 (e.g. ``DistributedGradScaler(sync_free=True)``).
+            ``None``: a :class:`~distamp.DistributedGradScaler` on the accelerator's device,
+            with the arguments of a ``GradScalerKwargs`` handler if one was given.
+        policy: an :class:`~distamp.AutocastPolicy` (or any object with ``apply(model)`` and
+            ``autocast(device_type)``): applied to each prepared model, and its autocast context
+            wraps the model's forward inside Accelerate's.
+        trust_ddp_sync: let the scaler skip its found_inf collective when DDP's all-reduce
+            already spread any inf to every rank (see ``DistributedGradScaler.register_module``).
+            Off by default: an inf written into a gradient after the all-reduce (a gradient hook,
+            a rank-local transformation) would then go unseen by the other ranks.
+
+    Raises:
+        ValueError: ``scaler`` given without ``mixed_precision="fp16"``, or with DeepSpeed or
+            Megatron-LM, which own loss scaling themselves.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        scaler: DistributedGradScaler | None = None,
+        policy: Any = None,
+        trust_ddp_sync: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.policy = policy
+        self.trust_ddp_sync = bool(trust_ddp_sync)
+        self.amp_metrics = AMPMetrics(self.device)
+        self._last_grad_norm: torch.Tensor | None = None
+        self._last_load_dir: str | None = None
+        fp16 = self.state.mixed_precision == "fp16"
+        own_scaling = self.distributed_type in (
+            DistributedType.DEEPSPEED,
+            DistributedType.MEGATRON_LM,
+        )
+        if scaler is not None and (not fp16 or own_scaling):
+            raise ValueError(
+                f"scaler={scaler!r} with mixed_precision={self.state.mixed_precision!r} and "
+                f"{self.distributed_type}: a loss scaler is used only for mixed_precision='fp16' "
+                "without DeepSpeed/Megatron-LM (they scale the loss themselves); drop `scaler`"
+            )
+        if fp16 and not own_scaling:
+            if scaler is None:
+                handler = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
+                scaler = DistributedGradScaler(device=self.device.type, **handler)
+            # Accelerate leaves `native_amp` off for fp16 on CPU (so no autocast, no scaler);
+            # CPU autocast supports fp16 since torch 2.3, so turn it on with the scaler.
+            self.native_amp = True
+            self.scaler = scaler
+        self.register_load_state_pre_hook(self._remember_load_dir)
+
+    # ------------------------------------------------------------------ preparing
+    def prepare_model(
+        self,
+        model: torch.nn.Module,
+        device_placement: bool | None = None,
+        evaluation_mode: bool = False,
+    ) -> Any:
+        """Accelerate's ``prepare_model``, plus the policy and the scaler's registration.
+
+        The policy's context is put *inside* Accelerate's autocast: nesting autocast with the
+        same dtype changes nothing, and the policy's fp32 modules and ops then win.
+        """
+        if self.policy is not None and not getattr(model, "_is_accelerate_prepared", False):
+            self.policy.apply(model)
+            inner, policy, device_type = model.forward, self.policy, self.device.type
+
+            @functools.wraps(inner)
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                with policy.autocast(device_type):
+                    return inner(*args, **kwargs)
+
+            model.forward = forward  # type: ignore[method-assign]
+        prepared = super().prepare_model(
+            model, device_placement=device_placement, evaluation_mode=evaluation_mode
+        )
+        if isinstance(self.scaler, DistributedGradScaler) and not evaluation_mode:
+            ddp = isinstance(prepared, torch.nn.parallel.DistributedDataParallel)
+            if self.trust_ddp_sync or not ddp:  # names; FSDP1 shards for clipping
+                self.scaler.register_module(prepared)
+        return prepared
+
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> Any:
+        """Accelerate's ``prepare_optimizer``; the wrapper it returns is switched to
+        :class:`DistAMPOptimizer` (same state, an exact skip report and metrics)."""
+        wrapped = super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if type(wrapped) is AcceleratedOptimizer:
+            # Re-classing, not re-wrapping: Accelerate keeps this very object in its list of
+            # optimizers (for save/load and schedulers), and the subclass adds no state.
+            wrapped.__class__ = DistAMPOptimizer
+            wrapped._distamp_accelerator = self
+        return wrapped
+
+    # ------------------------------------------------------------------ the step
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> Any:
+        """Clip like ``torch.nn.utils.clip_grad_norm_``, on unscaled gradients, across ranks.
+
+        When ``parameters`` are exactly one prepared optimizer's, the scaler does it all in one
+        pass and one collective (and for fused optimizers folds the clip into the optimizer's
+        own unscale). Otherwise (a subset of parameters), the scaler unscales and Accelerate
+        clips. Call it once per optimizer step (under ``if accelerator.sync_gradients:``).
+
+        Returns:
+            The total norm before clipping (0-dim tensor; no host sync).
+        """
+        scaler = self.scaler
+        params = list(parameters)
+        if not (isinstance(scaler, DistributedGradScaler) and scaler.is_enabled()):
+            norm = super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        else:
+            opt = self._optimizer_owning(params)
+            if opt is not None and hasattr(scaler, "clip_grad_norm_"):
+                norm = scaler.clip_grad_norm_(opt, max_norm, norm_type)
+            else:
+                # Accelerate unscales every prepared optimizer through the scaler, then clips.
+                norm = super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        if isinstance(norm, torch.Tensor):
+            self._last_grad_norm = norm.detach()
+        return norm
+
+    def _optimizer_owning(self, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
+        """The one unwrapped optimizer whose parameters are exactly ``params``, if any."""
+        wanted = {id(p) for p in params}
+        for acc_opt in self._optimizers:
+            opt = acc_opt
+            while isinstance(opt, AcceleratedOptimizer):
+                opt = opt.optimizer
+            owned = {id(p) for group in opt.param_groups for p in group["params"]}
+            if owned == wanted:
+                return opt
+        return None
+
+    def _after_step(self, scaler: Any) -> None:
+        self.amp_metrics.step(scaler, self._last_grad_norm)
+        self._last_grad_norm = None
+
+    # ------------------------------------------------------------------ metrics
+    def amp_metrics_dict(self) -> dict[str, float | int | None]:
+        """Loss scale, skipped steps, overflow rate, unscaled grad norm and tokens/s of the window
+        since the previous call (see :class:`~distamp.metrics.AMPMetrics`). Collective: call it on
+        every rank at the same step; count tokens with ``accelerator.amp_metrics.add_tokens``."""
+        return self.amp_metrics.compute(self.scaler)
+
+    # ------------------------------------------------------------------ state
+    def _remember_load_dir(self, _models: list[Any], input_dir: str) -> None:
+        self._last_load_dir = input_dir
+
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """Accelerate's ``load_state``, then the scaler's state again from the same folder.
+
+        Accelerate loads the scaler on one of two paths depending on FSDP2; reading the file once
+        more afterwards (a few bytes) makes the round-trip independent of that branch.
+        """
+        self._last_load_dir = None
+        out = super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        scaler = self.scaler
+        folder = self._last_load_dir
+        if isinstance(scaler, DistributedGradScaler) and scaler.is_enabled() and folder:
+            path = os.path.join(folder, SCALER_FILE)
+            if os.path.exists(path):
+                scaler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return out

@@ -1,0 +1,241 @@
+"""Lightning Fabric with distamp's scaler, policy and metrics, and distamp's launcher detection.
+
+:class:`DistAMPPrecision` is a Fabric precision plugin (``Fabric(plugins=[DistAMPPrecision()])``).
+It differs from Lightning's own ``MixedPrecision`` where that one falls short in distributed fp16:
+
+- the scaler is a :class:`~distamp.DistributedGradScaler` (ranks agree on every skip, also under
+  FSDP and with fused optimizers), and one you pass is kept whatever the strategy;
+- unscaling works with fused optimizers (Lightning raises "not implemented"), and
+  :meth:`DistAMPPrecision.clip_grad_norm_` clips in one pass and one collective, folding the clip
+  into a fused optimizer's own unscale;
+- :attr:`DistAMPPrecision.step_was_skipped` and :meth:`DistAMPPrecision.metrics_dict` report the
+  rank-agreed skip and the loss-scale health without a host sync per step.
+
+:class:`DistAMPEnvironment` is a ``ClusterEnvironment`` (Fabric and Trainer share that class)
+over :func:`distamp.detect_environment`, so Lightning sees the same rank layout as distamp for
+torchrun, SLURM and the MPI launchers.
+
+Tested with the versions in :data:`SUPPORTED`; others are refused at import.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Literal
+
+import torch
+
+from distamp.integrations import check_version
+
+SUPPORTED = ("2.6.0", "2.7")
+"""Lightning versions this adapter was tested with: ``>= SUPPORTED[0], < SUPPORTED[1]``."""
+
+LIGHTNING_VERSION = check_version("lightning", *SUPPORTED, extra="lightning")
+
+from lightning.fabric.plugins.environments import ClusterEnvironment  # noqa: E402
+from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
+
+from distamp.cluster import DistEnv, detect_environment  # noqa: E402
+from distamp.metrics import AMPMetrics  # noqa: E402
+from distamp.policy import parse_precision  # noqa: E402
+from distamp.scaler import DistributedGradScaler  # noqa: E402
+
+__all__ = ["LIGHTNING_VERSION", "SUPPORTED", "DistAMPEnvironment", "DistAMPPrecision"]
+
+
+class DistAMPPrecision(MixedPrecision):
+    """Fabric precision plugin: autocast (or a policy) plus distamp's rank-consistent scaler.
+
+    Args:
+        precision: ``"16-mixed"`` or ``"bf16-mixed"`` (any spelling distamp parses: ``"fp16"``,
+            ``torch.float16``...).
+        device: the device type for autocast; ``None``: ``"cuda"`` if available, else ``"cpu"``.
+        scaler: the fp16 scaler; ``None`` creates a :class:`~distamp.DistributedGradScaler`.
+            Must be ``None`` for bf16 (no loss scaling needed).
+        policy: an :class:`~distamp.AutocastPolicy` (or any object with ``apply(model)`` and
+            ``autocast(device_type)``): applied in ``convert_module`` and used as the forward
+            context instead of bare autocast.
+
+    Raises:
+        ValueError: a precision other than fp16/bf16, or a scaler with bf16.
+    """
+
+    def __init__(
+        self,
+        precision: Any = "16-mixed",
+        device: str | None = None,
+        scaler: DistributedGradScaler | None = None,
+        policy: Any = None,
+    ) -> None:
+        parsed = parse_precision(precision)
+        if parsed.compute_dtype is None:
+            raise ValueError(
+                f"DistAMPPrecision(precision={precision!r}): this plugin is for mixed precision "
+                "('16-mixed' or 'bf16-mixed'); for fp32 use Fabric's default precision"
+            )
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if scaler is None and parsed.needs_scaler:
+            scaler = DistributedGradScaler(device=device)
+        name: Literal["16-mixed", "bf16-mixed"] = (
+            "16-mixed" if parsed.needs_scaler else "bf16-mixed"
+        )
+        super().__init__(name, device, scaler)  # raises for a scaler with bf16
+        self.policy = policy
+        self.metrics = AMPMetrics(device)
+        self._last_norm: torch.Tensor | None = None
+        self._skipped: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ forward
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Apply the policy's fp32 modules (before the strategy wraps the model)."""
+        if self.policy is not None:
+            self.policy.apply(module)
+        if isinstance(self.scaler, DistributedGradScaler):
+            self.scaler.register_module(module)  # parameter names for overflow reports
+        return super().convert_module(module)
+
+    def forward_context(self) -> AbstractContextManager[Any]:
+        """The policy's context (autocast plus fp32 ops) if one was given, else autocast."""
+        if self.policy is not None:
+            return self.policy.autocast(self.device)  # type: ignore[no-any-return]
+        return super().forward_context()
+
+    # ------------------------------------------------------------------ step
+    def unscale_gradients(self, optimizer: Any) -> None:
+        """Unscale in place (before reading gradient values). Unlike Lightning's plugin this
+        also works for fused optimizers: the scaler then tells their step not to unscale again."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def clip_grad_norm_(
+        self, optimizer: Any, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Unscale and clip ``optimizer``'s gradients to total norm ``max_norm``, across ranks.
+
+        Prefer it to ``fabric.clip_gradients`` under fp16: one read pass and one collective, a
+        clip folded into a fused optimizer's own step, and no error at an overflow step (the
+        norm is then inf and the step is skipped on every rank). Call it once per step, after
+        the last backward and before ``optimizer.step()``.
+
+        Returns:
+            The total gradient norm before clipping (0-dim tensor; no host sync).
+        """
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # a _FabricOptimizer
+        scaler = self.scaler
+        if scaler is not None and hasattr(scaler, "clip_grad_norm_"):
+            norm = scaler.clip_grad_norm_(optimizer, max_norm, norm_type)
+        else:
+            self.unscale_gradients(optimizer)
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        self._last_norm = norm.detach()
+        return norm
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step (skipped on every rank if any rank saw inf/NaN), update the scale, record."""
+        out = super().optimizer_step(optimizer, **kwargs)
+        scaler = self.scaler
+        if isinstance(scaler, DistributedGradScaler) and scaler.is_enabled():
+            self._skipped = scaler.last_step_skipped
+        self.metrics.step(scaler, self._last_norm)
+        self._last_norm = None
+        return out
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped on every rank for inf/NaN gradients.
+
+        One host sync (reads the scaler's on-device flag), only when asked.
+        """
+        return False if self._skipped is None else bool(self._skipped)  # host sync, on request
+
+    def metrics_dict(self) -> dict[str, float | int | None]:
+        """Loss scale, skipped steps, overflow rate, unscaled grad norm and tokens/s of the
+        window since the last call. Collective: call on every rank at the same step; count
+        tokens with ``plugin.metrics.add_tokens``."""
+        return self.metrics.compute(self.scaler)
+
+
+class DistAMPEnvironment(ClusterEnvironment):
+    """A Lightning ``ClusterEnvironment`` that reads the job layout with distamp's detection.
+
+    Lightning has one environment class per launcher, each with its own reading of the
+    variables; this one delegates to :func:`distamp.detect_environment`, so a job gets the
+    same ranks (and the same node-rank rules, e.g. for Open MPI) in distamp and in Lightning.
+
+    Args:
+        env: the variables to read (default: ``os.environ`` at construction).
+    """
+
+    def __init__(self, env: Any = None) -> None:
+        super().__init__()
+        self._env: DistEnv = detect_environment(env)
+        self._rank = self._env.rank
+        self._world = self._env.world_size
+
+    @property
+    def dist_env(self) -> DistEnv:
+        """What :func:`distamp.detect_environment` found."""
+        return self._env
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        """True under any launcher (torchrun, srun, mpirun): Lightning must not spawn more."""
+        return self._env.is_distributed
+
+    @property
+    def main_address(self) -> str:
+        if self._env.main_address is not None:
+            return self._env.main_address
+        if self._env.num_nodes in (None, 1) and self._env.local_world_size == self._world:
+            return "127.0.0.1"  # one node: loopback is right
+        raise ValueError(
+            f"{self._env.launcher} gave no main address for a multi-node job: export "
+            "MASTER_ADDR (and MASTER_PORT), or start with `distamp launch`"
+        )
+
+    @property
+    def main_port(self) -> int:
+        if self._env.main_port is not None:
+            return self._env.main_port
+        if not self._env.is_distributed:
+            return 29500  # a single process binds no port that others need to agree on
+        raise ValueError(
+            f"{self._env.launcher} gave no main port: export MASTER_PORT (the same on all ranks)"
+        )
+
+    @staticmethod
+    def detect() -> bool:
+        """True when a launcher started this process (``detect_environment`` is not single)."""
+        return detect_environment().is_distributed
+
+    def world_size(self) -> int:
+        return self._world
+
+    def set_world_size(self, size: int) -> None:
+        if size != self._world:
+            raise ValueError(
+                f"Lightning asked for world size {size}, but {self._env.launcher} started "
+                f"{self._world} processes: make devices x num_nodes match the launch"
+            )
+
+    def global_rank(self) -> int:
+        return self._rank
+
+    def set_global_rank(self, rank: int) -> None:
+        if rank != self._rank:
+            raise ValueError(
+                f"Lightning computed global rank {rank}, but {self._env.launcher} says "
+                f"{self._rank}: make devices/num_nodes match the launch"
+            )
+
+    def local_rank(self) -> int:
+        return self._env.local_rank
+
+    def node_rank(self) -> int:
+        if self._env.node_rank is None:
+            raise ValueError(
+                f"{self._env.launcher} did not say which node this is and it cannot be derived "
+                "(uneven processes per node): set NODE_RANK or GROUP_RANK"
+            )
+        return self._env.node_rank

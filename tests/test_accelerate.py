@@ -1,0 +1,195 @@
+"""DistAMPAccelerator with real Accelerate objects on 2 gloo processes (CPU).
+
+What is checked: fp16 on CPU really runs in fp16 (forward hook), an inf injected into one rank's
+gradient is skipped on both ranks and reported by ``step_was_skipped`` (plain and fused AdamW,
+with gradient accumulation and clipping), the replicas stay identical, and ``save_state`` /
+``load_state`` round-trip the scaler.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None, reason="needs distamp[accelerate]"
+)
+
+from tests._dist import run_ranks  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, ACCUM, BAD_STEP = 4, 2, 2
+
+
+def _train(rank: int, world: int, ckpt: str, fused: bool) -> dict[str, Any]:
+    import torch
+    from accelerate.utils import DistributedType
+
+    from distamp.integrations.accelerate import DistAMPAccelerator
+
+    acc = DistAMPAccelerator(mixed_precision="fp16", cpu=True, gradient_accumulation_steps=ACCUM)
+    assert acc.distributed_type == DistributedType.MULTI_CPU, acc.distributed_type
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    dtypes: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda _m, _i, out: dtypes.append(out.dtype))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    gen = torch.Generator().manual_seed(1 + rank)
+    skipped, lrs, scales, norms = [], [], [], []
+    before_bad: list[torch.Tensor] = []
+    for step in range(STEPS):
+        for _ in range(ACCUM):
+            with acc.accumulate(model):
+                loss = model(torch.randn(4, 8, generator=gen)).float().pow(2).mean()
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    if step == BAD_STEP:
+                        before_bad = [p.detach().clone() for p in model.parameters()]
+                        if rank == 1:  # a rank-local overflow (as a shard or hook would see)
+                            next(iter(model.parameters())).grad.view(-1)[0] = float("inf")
+                    norms.append(float(acc.clip_grad_norm_(model.parameters(), 1.0)))
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+        skipped.append(opt.step_was_skipped)
+        lrs.append(sched.get_last_lr()[0])
+        scales.append(acc.scaler.get_scale())
+        if step == BAD_STEP:
+            unchanged = all(
+                torch.equal(a, b) for a, b in zip(before_bad, model.parameters(), strict=True)
+            )
+    metrics = acc.amp_metrics_dict()
+    # plain lists: tensors would travel through shared memory the exited worker owned
+    params = [p.detach().flatten().tolist() for p in model.parameters()]
+    acc.save_state(ckpt)
+    acc.wait_for_everyone()  # rank 0 writes the files; nobody reads before it is done
+    saved = acc.scaler.state_dict()
+    acc.scaler.update(new_scale=3.0)  # clobber, then load
+    acc.load_state(ckpt)
+    loaded = acc.scaler.state_dict()
+    acc.wait_for_everyone()
+    return {
+        "dtypes": sorted({str(d) for d in dtypes}),
+        "skipped": skipped,
+        "any_skipped": acc.optimizer_step_was_skipped,
+        "lrs": lrs,
+        "scales": scales,
+        "norms": norms,
+        "unchanged_on_skip": unchanged,
+        "params": params,
+        "metrics": metrics,
+        "saved": saved,
+        "loaded": loaded,
+    }
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_inf_on_one_rank_skipped_on_both(tmp_path: Path, fused: bool) -> None:
+    r0, r1 = run_ranks(_train, 2, str(tmp_path / "ckpt"), fused, timeout=90)
+    for r in (r0, r1):
+        assert r["dtypes"] == ["torch.float16"], r["dtypes"]  # fp16 on CPU, really
+        assert r["skipped"] == [k == BAD_STEP for k in range(STEPS)], r["skipped"]
+        assert r["unchanged_on_skip"]
+        assert r["scales"][BAD_STEP] == r["scales"][BAD_STEP - 1] / 2
+        assert r["norms"][BAD_STEP] == float("inf")
+        # the scheduler did not advance at the skipped step (Accelerate asks step_was_skipped)
+        assert r["lrs"][BAD_STEP] == r["lrs"][BAD_STEP - 1]
+        assert r["metrics"]["skipped_steps"] == 1
+        assert r["metrics"]["overflow_rate"] == pytest.approx(1 / STEPS)
+        assert r["metrics"]["loss_scale"] == r["scales"][-1]
+        assert r["loaded"] == r["saved"] and r["saved"]["skipped_steps"] == 1
+    # replicas identical: both ranks took the same decisions
+    assert r0["params"] == r1["params"]
+    assert r0["norms"] == r1["norms"]
+
+
+def test_unsupported_version_message() -> None:
+    from distamp.integrations import check_version
+
+    with pytest.raises(ImportError, match=r"accelerate 0\.34\.2 is not supported.*>=1\.15\.0"):
+        check_version("accelerate", "1.15.0", "1.16", extra="accelerate", installed="0.34.2")
+    assert check_version("accelerate", "1.15.0", "1.16", extra="accelerate", installed="1.15.0")
+
+
+def test_import_distamp_does_not_import_frameworks() -> None:
+    code = (
+        "import sys, distamp, distamp.integrations, distamp.metrics_writers; "
+        "print(sorted(m for m in ('accelerate', 'lightning', 'tensorboard') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def run_torchrun(script: Path, *args: str, timeout: float = 120) -> str:
+    """``torchrun --standalone --nproc-per-node 2 script args``; the whole process group is
+    killed if it outlives ``timeout`` (workers included, not just the launcher)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [*cmd, str(script), *args], cwd=ROOT, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+def test_example_runs(tmp_path: Path) -> None:
+    """launch/accelerate_example.py end to end under torchrun, 2 processes, fused AdamW."""
+    out = run_torchrun(
+        ROOT / "launch" / "accelerate_example.py",
+        *("--steps", "4", "--log-interval", "2", "--fused", "--out", str(tmp_path)),
+    )
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [2, 4]
+    last = lines[-1]
+    assert last["loss_scale"] > 0 and last["tokens_per_s"] > 0 and last["grad_norm"] > 0
+    assert json.loads(out.strip().splitlines()[-1])["world_size"] == 2
+    assert (tmp_path / "state" / "scaler.pt").exists()
+
+
+def _policy_dtypes(rank: int, world: int) -> dict[str, str]:
+    import torch
+
+    from distamp.integrations.accelerate import DistAMPAccelerator
+    from distamp.policy import AutocastPolicy
+
+    acc = DistAMPAccelerator(mixed_precision="fp16", cpu=True, policy=AutocastPolicy("fp16"))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    seen: dict[str, str] = {}
+
+    def hook(name: str) -> Any:
+        def record(_m: Any, _i: Any, out: torch.Tensor) -> None:
+            seen[name] = str(out.dtype)
+
+        return record
+
+    for name, mod in model.named_children():
+        mod.register_forward_hook(hook(name))
+    model = acc.prepare(model)
+    model(torch.randn(2, 8))
+    return seen
+
+
+def test_policy_keeps_its_modules_in_fp32() -> None:
+    (seen,) = run_ranks(_policy_dtypes, 1, timeout=60)
+    # the policy's fp32 module (LayerNorm) inside Accelerate's fp16 autocast
+    assert seen == {"0": "torch.float16", "1": "torch.float32", "2": "torch.float16"}

@@ -1,0 +1,182 @@
+"""DistAMPPrecision and DistAMPEnvironment with real Lightning Fabric on 2 gloo processes (CPU).
+
+What is checked: fp16 activations on CPU (forward hook), an inf injected into one rank's gradient
+skipped on both ranks and reported by the plugin (plain and fused AdamW, clipping included), the
+replicas stay identical, ``fabric.save``/``fabric.load`` round-trip the scaler, the environment
+adapter reads the layout distamp reads, and the example runs under torchrun.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None, reason="needs distamp[lightning]"
+)
+
+from tests._dist import run_ranks  # noqa: E402
+from tests.test_accelerate import run_torchrun  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, BAD_STEP = 4, 2
+
+
+def _train(rank: int, world: int, ckpt: str, fused: bool) -> dict[str, Any]:
+    import torch
+    from lightning.fabric import Fabric
+
+    from distamp.integrations.lightning import DistAMPEnvironment, DistAMPPrecision
+
+    plugin = DistAMPPrecision("16-mixed", device="cpu")
+    env = DistAMPEnvironment()
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp", plugins=[plugin, env])
+    fabric.launch()
+    assert fabric.world_size == 2 and fabric.global_rank == rank
+    assert fabric.strategy.precision is plugin and fabric.strategy.cluster_environment is env
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    dtypes: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda _m, _i, out: dtypes.append(out.dtype))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    model, opt = fabric.setup(model, opt)
+    gen = torch.Generator().manual_seed(1 + rank)
+    skipped, scales, norms, unchanged = [], [], [], False
+    for step in range(STEPS):
+        loss = model(torch.randn(4, 8, generator=gen)).float().pow(2).mean()
+        fabric.backward(loss)
+        before = [p.detach().clone() for p in model.parameters()]
+        if step == BAD_STEP and rank == 1:  # a rank-local overflow (as a shard or hook would see)
+            next(iter(model.parameters())).grad.view(-1)[0] = float("inf")
+        norms.append(float(plugin.clip_grad_norm_(opt, 1.0)))
+        opt.step()
+        opt.zero_grad()
+        skipped.append(plugin.step_was_skipped)
+        scales.append(plugin.scaler.get_scale())
+        if step == BAD_STEP:
+            unchanged = all(
+                torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
+            )
+    metrics = plugin.metrics_dict()
+    state = {"model": model, "optimizer": opt, "scaler": plugin}
+    fabric.save(ckpt, state)
+    saved = plugin.scaler.state_dict()
+    plugin.scaler.update(new_scale=3.0)  # clobber, then load
+    fabric.load(ckpt, state)
+    fabric.barrier()
+    return {
+        "dtypes": sorted({str(d) for d in dtypes}),
+        "skipped": skipped,
+        "scales": scales,
+        "norms": norms,
+        "unchanged_on_skip": unchanged,
+        "params": [p.detach().flatten().tolist() for p in model.parameters()],
+        "metrics": metrics,
+        "saved": saved,
+        "loaded": plugin.scaler.state_dict(),
+        "node_rank": env.node_rank(),
+        "local_rank": env.local_rank(),
+    }
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_inf_on_one_rank_skipped_on_both(tmp_path: Path, fused: bool) -> None:
+    r0, r1 = run_ranks(_train, 2, str(tmp_path / "ckpt"), fused, timeout=90)
+    for rank, r in enumerate((r0, r1)):
+        assert r["dtypes"] == ["torch.float16"], r["dtypes"]
+        assert r["skipped"] == [k == BAD_STEP for k in range(STEPS)], r["skipped"]
+        assert r["unchanged_on_skip"]
+        assert r["scales"][BAD_STEP] == r["scales"][BAD_STEP - 1] / 2
+        assert r["norms"][BAD_STEP] == float("inf")
+        assert r["metrics"]["skipped_steps"] == 1
+        assert r["metrics"]["overflow_rate"] == pytest.approx(1 / STEPS)
+        assert r["metrics"]["grad_norm"] == pytest.approx(r["norms"][-1])
+        assert r["loaded"] == r["saved"] and r["saved"]["skipped_steps"] == 1
+        assert (r["node_rank"], r["local_rank"]) == (0, rank)
+    assert r0["params"] == r1["params"]
+    assert r0["norms"] == r1["norms"]
+
+
+def test_environment_reads_distamp_detection() -> None:
+    from distamp.integrations.lightning import DistAMPEnvironment
+
+    slurm = {
+        "SLURM_JOB_ID": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_TASKS_PER_NODE": "4(x2)",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+        "SLURM_NNODES": "2",
+        "MASTER_PORT": "29511",
+    }
+    env = DistAMPEnvironment(slurm)
+    assert env.dist_env.launcher == "slurm" and env.main_address == "n1"
+    assert (env.global_rank(), env.world_size(), env.local_rank(), env.node_rank()) == (5, 8, 1, 1)
+    assert env.creates_processes_externally and env.main_port == 29511
+    with pytest.raises(ValueError, match="world size 4"):
+        env.set_world_size(4)
+    single = DistAMPEnvironment({})
+    assert not single.creates_processes_externally and single.world_size() == 1
+    assert single.main_address == "127.0.0.1"
+
+
+def test_bad_arguments() -> None:
+    from distamp import DistributedGradScaler
+    from distamp.integrations.lightning import DistAMPPrecision
+
+    with pytest.raises(ValueError, match="mixed precision"):
+        DistAMPPrecision("32-true")
+    with pytest.raises(ValueError, match="does not use a scaler"):
+        DistAMPPrecision("bf16-mixed", device="cpu", scaler=DistributedGradScaler("cpu"))
+
+
+def test_example_runs(tmp_path: Path) -> None:
+    """launch/lightning_example.py end to end under torchrun, 2 processes, fused AdamW."""
+    out = run_torchrun(
+        ROOT / "launch" / "lightning_example.py",
+        *("--steps", "4", "--log-interval", "2", "--fused", "--out", str(tmp_path)),
+    )
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [2, 4]
+    last = lines[-1]
+    assert last["loss_scale"] > 0 and last["tokens_per_s"] > 0 and last["grad_norm"] > 0
+    assert json.loads(out.strip().splitlines()[-1])["world_size"] == 2
+    assert (tmp_path / "state.ckpt").exists()
+
+
+def _policy_dtypes(rank: int, world: int) -> dict[str, str]:
+    import torch
+    from lightning.fabric import Fabric
+
+    from distamp.integrations.lightning import DistAMPPrecision
+    from distamp.policy import AutocastPolicy
+
+    plugin = DistAMPPrecision("fp16", device="cpu", policy=AutocastPolicy("fp16"))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    seen: dict[str, str] = {}
+
+    def hook(name: str) -> Any:
+        def record(_m: Any, _i: Any, out: torch.Tensor) -> None:
+            seen[name] = str(out.dtype)
+
+        return record
+
+    for name, mod in model.named_children():
+        mod.register_forward_hook(hook(name))
+    model = fabric.setup_module(model)
+    model(torch.randn(2, 8))
+    return seen
+
+
+def test_policy_keeps_its_modules_in_fp32() -> None:
+    (seen,) = run_ranks(_policy_dtypes, 1, timeout=60)
+    assert seen == {"0": "torch.float16", "1": "torch.float32", "2": "torch.float16"}

@@ -1,0 +1,109 @@
+"""AMPMetrics, the engine's overflow rate, and the JSONL / TensorBoard writers (one process)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from distamp import DistributedGradScaler
+from distamp.metrics import AMPMetrics, Metrics
+from distamp.metrics_writers import JSONLWriter, TensorBoardWriter, make_writer
+
+
+def _steps(scaler: DistributedGradScaler, bad: set[int], n: int, metrics: AMPMetrics) -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for k in range(n):
+        scaler.scale(p.sum()).backward()
+        if k in bad:
+            p.grad.fill_(float("inf"))
+        norm = scaler.clip_grad_norm_(opt, 10.0)
+        scaler.step(opt)
+        scaler.update()
+        metrics.step(scaler, norm)
+        metrics.add_tokens(100)
+        opt.zero_grad()
+
+
+def test_amp_metrics_window() -> None:
+    scaler = DistributedGradScaler("cpu", init_scale=1024.0)
+    m = AMPMetrics("cpu")
+    _steps(scaler, {1}, 4, m)
+    out = m.compute(scaler)
+    assert set(out) == set(AMPMetrics.KEYS)
+    assert out["skipped_steps"] == 1 and out["overflow_rate"] == 0.25 and out["steps"] == 4
+    assert out["loss_scale"] == 512.0
+    assert out["grad_norm"] == pytest.approx(3**0.5)  # unscaled: d(sum)/dp = 1 per element
+    assert out["tokens_per_s"] > 0
+    _steps(scaler, set(), 2, m)  # the next window starts empty
+    nxt = m.compute(scaler)
+    assert nxt["overflow_rate"] == 0.0 and nxt["skipped_steps"] == 1 and nxt["steps"] == 2
+
+
+def test_amp_metrics_without_scaler() -> None:
+    m = AMPMetrics()
+    m.step(None)
+    out = m.compute(None)
+    assert out["loss_scale"] == 1.0 and out["skipped_steps"] == 0 and out["grad_norm"] is None
+
+
+def test_engine_metrics_overflow_rate() -> None:
+    scaler = DistributedGradScaler("cpu", init_scale=1024.0)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    metrics = Metrics(torch.device("cpu"))
+    rates = []
+    for k in range(8):
+        loss = p.sum()
+        metrics.record(loss, tokens=10)
+        scaler.scale(loss).backward()
+        if k in (0, 1, 5):
+            p.grad.fill_(float("nan"))
+        scaler.step(opt)
+        scaler.update()
+        metrics.end_step(None)
+        opt.zero_grad()
+        if k % 4 == 3:
+            stats = metrics.collect(step=k + 1, scaler=scaler)
+            rates.append(stats.overflow_rate)
+            assert stats.as_dict()["overflow_rate"] == stats.overflow_rate
+    assert rates == [0.5, 0.25]
+
+
+def test_jsonl_writer(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "m.jsonl"
+    w = make_writer("jsonl", path)
+    assert isinstance(w, JSONLWriter)
+    w.write(1, {"loss_scale": 2.0, "grad_norm": float("inf"), "note": None})
+    w.write(2, {"loss_scale": 4.0})
+    w.close()
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert rows == [
+        {"step": 1, "loss_scale": 2.0, "grad_norm": None, "note": None},
+        {"step": 2, "loss_scale": 4.0},
+    ]
+
+
+def test_make_writer_rejects_unknown_kind() -> None:
+    with pytest.raises(ValueError, match="'csv'"):
+        make_writer("csv", "x")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is None, reason="needs distamp[tensorboard]"
+)
+def test_tensorboard_writer(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    w = TensorBoardWriter(tmp_path, prefix="amp")
+    w.write(3, {"loss_scale": 8.0, "grad_norm": None, "skipped_steps": 1, "flag": True})
+    w.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["amp/loss_scale", "amp/skipped_steps"]
+    (event,) = acc.Scalars("amp/loss_scale")
+    assert (event.step, event.value) == (3, 8.0)
