@@ -38,6 +38,7 @@ from torch import nn
 
 __all__ = [
     "MANIFEST",
+    "CheckpointError",
     "capture_rng",
     "latest_checkpoint",
     "load_checkpoint",
@@ -47,6 +48,38 @@ __all__ = [
 
 MANIFEST = "latest.json"
 FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated, corrupted or from an incompatible format.
+
+    The message names the file. Loading raises before anything is modified: neither the model
+    nor the checkpoint directory is touched, so the good checkpoints that may be there (the
+    previous step's is kept) survive for a fix by hand.
+    """
+
+
+def _cause(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: rank -> (exc, tb)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {r}: {_cause(e[0])}" for r, e in sorted(failures.items()))
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _unreadable(path: Path, exc: BaseException, root: Path) -> CheckpointError:
+    cause = _cause(exc)
+    older = sorted(p.name for p in root.glob("step_*") if p.is_dir() and p not in path.parents)
+    hint = (
+        f"; older complete checkpoints in {root}: {', '.join(older)} (point {MANIFEST} at one "
+        "of them to resume from it)"
+        if older
+        else ""
+    )
+    return CheckpointError(
+        f"checkpoint {'directory' if path.is_dir() else 'file'} {path} is unreadable "
+        f"(truncated or corrupted?): {cause}{hint}"
+    )
 
 
 def _grouped() -> bool:
@@ -122,15 +155,26 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint the manifest of ``directory`` names, or ``None`` if none."""
-    manifest = Path(directory) / MANIFEST
+    """The complete checkpoint the manifest of ``directory`` names, or ``None`` if none.
+
+    Raises:
+        CheckpointError: the manifest is unreadable or names a directory that is not there.
+    """
+    root = Path(directory)
+    manifest = root / MANIFEST
     if not manifest.is_file():
         return None
-    info = json.loads(manifest.read_text())
-    path = Path(directory) / info["path"]
+    try:
+        info = json.loads(manifest.read_text())
+        name = info["path"]
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"'path' must be a step directory's name, got {name!r}")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise _unreadable(manifest, exc, root) from exc
+    path = root / name
     if not path.is_dir():
-        raise FileNotFoundError(
-            f"{manifest} names {info['path']!r}, which does not exist: the checkpoint directory "
+        raise CheckpointError(
+            f"{manifest} names {name!r}, which does not exist: the checkpoint directory "
             "was modified by hand; delete the manifest to start over"
         )
     return path
@@ -234,25 +278,61 @@ def load_checkpoint(
     Returns:
         The ``trainer_state`` given to :func:`save_checkpoint` (with a ``"meta"`` entry), or
         ``None`` when the directory holds no checkpoint.
+
+    Raises:
+        CheckpointError: a file of the checkpoint is missing, truncated or corrupted (on every
+            rank, naming the file). Nothing on disk is modified; the model and optimizer are
+            untouched too, except when the sharded state itself is corrupted (DCP reads into
+            them in place, so they may then hold part of it: do not train on after the error).
     """
     from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = latest_checkpoint(directory)
     if path is None:
         return None
+    root = Path(directory)
     rank, world = _dist()
-    trainer = torch.load(path / "trainer.pt", weights_only=True)
+    trainer = _load_file(path / "trainer.pt", root)
+    meta = trainer.get("meta") if isinstance(trainer, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint file {path / 'trainer.pt'} has format "
+            f"{None if not isinstance(meta, dict) else meta.get('format')!r}; this distamp reads "
+            f"format {FORMAT_VERSION}: load it with the distamp version that wrote it"
+        )
+    saved_world = meta.get("world_size")
+    rng, error = None, None
+    if saved_world == world:
+        try:
+            rng = _load_file(path / f"rng_{rank}.pt", root)
+        except CheckpointError as exc:
+            error = str(exc)
+    if world > 1:
+        # Per-rank files fail on one rank only: agree, so that no rank trains on while a peer
+        # has raised (it would wait in its first collective until the timeout).
+        errors: list[str | None] = [None] * world
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
+    # DCP loads in place, into the model's own tensors: every other file is read (and checked on
+    # every rank) first, so that a bad one fails before anything is modified.
     msd, osd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": msd, "optim": osd}
-    with _single_process_quiet():
-        dcp_load(state, checkpoint_id=path / "state", no_dist=not _grouped())
+    try:
+        with _single_process_quiet():
+            dcp_load(state, checkpoint_id=path / "state", no_dist=not _grouped())
+    except (Exception, CheckpointException) as exc:  # the latter is a BaseException
+        # DCP has already agreed on the failure across ranks (it gathers every rank's
+        # exception), so every rank raises here and none is left waiting in a collective.
+        raise _unreadable(path / "state", exc, root) from exc
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
-    saved_world = trainer["meta"]["world_size"]
-    if saved_world == world:
-        restore_rng(torch.load(path / f"rng_{rank}.pt", weights_only=True))
+    if rng is not None:
+        restore_rng(rng)
     else:
         warnings.warn(
             f"checkpoint {path} was saved by {saved_world} ranks and is loaded by {world}: model, "
@@ -261,3 +341,11 @@ def load_checkpoint(
             stacklevel=2,
         )
     return trainer
+
+
+def _load_file(path: Path, root: Path) -> Any:
+    """``torch.load`` with ``weights_only``; any failure becomes a :class:`CheckpointError`."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:  # zip errors, unpickling errors, EOF, missing file...
+        raise _unreadable(path, exc, root) from exc

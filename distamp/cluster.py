@@ -9,6 +9,7 @@ success or in a :class:`RendezvousError` naming the address, the port, the launc
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import os
 import re
@@ -18,15 +19,18 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import ClassVar
+from typing import Any, ClassVar
 
 __all__ = [
     "LAUNCHERS",
     "DistEnv",
+    "CollectiveTimeoutError",
     "RendezvousError",
     "detect_environment",
     "expand_nodelist",
     "init_distributed",
+    "named_collective",
+    "shutdown_distributed",
 ]
 
 
@@ -80,6 +84,48 @@ class DistEnv:
 
 class RendezvousError(RuntimeError):
     """The ranks did not meet within the timeout (or could not reach the main address)."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete: a peer rank stopped participating (hung, crashed, slow)."""
+
+
+# What the backends say when a peer does not take part: gloo "Timed out waiting 5000ms for recv
+# operation", NCCL's watchdog "collective operation timeout", and a peer that died mid-collective.
+_PEER_GONE = re.compile(
+    r"timed out|timeout|connection closed by peer|connection reset|broken pipe", re.IGNORECASE
+)
+
+
+@contextmanager
+def named_collective(what: str, timeout: float) -> Iterator[None]:
+    """Turn a backend's timeout inside the body into a :class:`CollectiveTimeoutError` naming
+    ``what`` and ``timeout``.
+
+    The backends' own messages name a transport operation ("recv", a sequence number), not the
+    training step that was waiting, so "which collective, after how long, and what to do" is
+    added here. Other errors pass through unchanged.
+
+    Args:
+        what: the collective in the words of the caller (e.g. "save_state: checkpoint barrier").
+        timeout: the process group's timeout in seconds, for the message.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc).strip()
+        if isinstance(exc, CollectiveTimeoutError) or not _PEER_GONE.search(text):
+            raise
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        cause = text.splitlines()[0] if text else type(exc).__name__
+        raise CollectiveTimeoutError(
+            f"{what} did not complete on rank {rank} within the {timeout:g} s timeout: another "
+            "rank stopped participating (hung, crashed or far slower); its log names the cause. "
+            "Raise the timeout (DistAMP(timeout=...), init_distributed(timeout=...)) only if "
+            f"that rank is merely slow (cause: {cause})"
+        ) from exc
 
 
 # Parsing helpers: every error names the variable and echoes its value.
@@ -426,17 +472,56 @@ def init_distributed(
     # can be restarted by its launcher, one that hangs holds the whole job.
     with _watchdog(2 * seconds + 60, message):
         try:
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://{host}:{env.main_port}",  # not env://, which rereads os.environ
-                rank=env.rank,
-                world_size=env.world_size,
-                timeout=timedelta(seconds=seconds),
-            )
-        except (dist.DistError, RuntimeError) as exc:
+            store = _elastic_round_store(env, seconds)
+            if store is None:
+                dist.init_process_group(
+                    backend,
+                    init_method=f"tcp://{host}:{env.main_port}",  # not env://: rereads os.environ
+                    rank=env.rank,
+                    world_size=env.world_size,
+                    timeout=timedelta(seconds=seconds),
+                )
+            else:
+                dist.init_process_group(
+                    backend,
+                    store=store,
+                    rank=env.rank,
+                    world_size=env.world_size,
+                    timeout=timedelta(seconds=seconds),
+                )
+        except (dist.DistError, RuntimeError, TimeoutError) as exc:
             cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RendezvousError(f"{message} (cause: {cause})") from exc
     return env
+
+
+def _elastic_round_store(env: DistEnv, seconds: float) -> Any:
+    """Under torchrun's shared agent store: a client of it, private to this restart round.
+
+    torchrun (checked on torch 2.13) keeps ONE TCPStore for the whole job and hands every round's
+    workers the same address, without a per-round key prefix. After a restart, the new workers
+    then find the keys the killed round wrote (gloo peer addresses, barrier counters) and read
+    them as their own: "connectFullMesh ... Connection refused" against a dead peer's port, or a
+    hang on a counter that is already past. A prefix with the run id and the restart count gives
+    every round fresh keys. ``None`` when the agent store is not in use (plain tcp:// then).
+    Reads ``os.environ`` (never writes it): these variables are torchrun's, not the launcher
+    description :class:`DistEnv` holds.
+    """
+    if env.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    assert env.main_address is not None and env.main_port is not None
+    client = dist.TCPStore(
+        env.main_address,
+        env.main_port,
+        env.world_size,
+        is_master=False,
+        timeout=timedelta(seconds=seconds),
+    )
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"distamp/{run_id}/attempt_{attempt}/", client)
 
 
 def _rendezvous_message(env: DistEnv, seconds: float) -> str:
@@ -525,3 +610,20 @@ def _describe_live_group(env: DistEnv, rank: int, world_size: int) -> DistEnv:
     # The user built the group themselves (e.g. mp.spawn + init_process_group) without launcher
     # variables: describe it as one node, the only layout such a setup can imply.
     return DistEnv("external", rank, world_size, rank, world_size, 0, None, None)
+
+
+def shutdown_distributed() -> None:
+    """End the job's process group cleanly. Collective: call on every rank, last.
+
+    A barrier (no rank tears down while a peer still sends), a garbage collection, then the group
+    is destroyed. Drop your references to DDP/FSDP-wrapped models and their optimizers first:
+    they hold the group, and a group that is only freed during interpreter shutdown can abort
+    the process with "terminate called without an active exception" (gloo's threads, seen with
+    torch 2.13 on CPU). A no-op when no group is initialized.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        gc.collect()
+        dist.destroy_process_group()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.checkpoint import load_checkpoint, save_checkpoint
+from distamp.cluster import named_collective
 from distamp.diagnostics import NonFiniteTracer, ScaleHealth
 from distamp.metrics import Metrics, StepResult, WindowStats
 from distamp.policy import (
@@ -113,6 +114,11 @@ class AMPConfig:
             or not self.timeout > 0
         ):
             raise ValueError(f"timeout={self.timeout!r} must be a number of seconds > 0")
+        h = self.hsdp_shard_size
+        if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
+            # Checked here, not when the mesh is built: a bad value must fail before any rank
+            # joins a process group, not inside DeviceMesh on some ranks.
+            raise ValueError(f"hsdp_shard_size={h!r} must be an int >= 1, or None")
 
 
 class DistAMP:
@@ -395,22 +401,29 @@ class DistAMP:
             raise RuntimeError(
                 "save_state() in the middle of an accumulation cycle: call it after step()"
             )
-        return save_checkpoint(
-            directory,
-            step=self.step_count,
-            model=self.model,
-            optimizer=self.optimizer,
-            trainer_state=self.state_dict(),
-            keep=keep,
-        )
+        # A peer that stalls mid-save fails this rank with the save named, not a bare "recv".
+        with named_collective("save_state (checkpoint write)", self.config.timeout):
+            return save_checkpoint(
+                directory,
+                step=self.step_count,
+                model=self.model,
+                optimizer=self.optimizer,
+                trainer_state=self.state_dict(),
+                keep=keep,
+            )
 
     def load_state(self, directory: str | Path) -> bool:
         """Load the latest checkpoint of ``directory``, if any. Collective: call on every rank.
 
         Returns:
             True if a checkpoint was loaded, False if the directory holds none.
+
+        Raises:
+            CheckpointError: a checkpoint file is truncated or corrupted (the message names it);
+                the directory is left as it was, so the good checkpoints in it survive.
         """
-        state = load_checkpoint(directory, model=self.model, optimizer=self.optimizer)
+        with named_collective("load_state (checkpoint read)", self.config.timeout):
+            state = load_checkpoint(directory, model=self.model, optimizer=self.optimizer)
         if state is None:
             return False
         self.step_count = int(state["step"])

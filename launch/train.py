@@ -32,7 +32,7 @@ from types import FrameType
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `launch.model` (and a checkout)
-from distamp.cluster import init_distributed
+from distamp.cluster import init_distributed, shutdown_distributed
 from distamp.engine import DistAMP
 from distamp.metrics import ProgressPrinter
 from launch.model import DATA_FILE, GPT, GPTConfig, ShardedText, lm_loss, load_text
@@ -170,9 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             "train_s": round(wall, 3),
         }
         print(json.dumps(summary), flush=True)
-    amp.close()  # a barrier: no rank tears down while a peer still sends
-    if torch.distributed.is_initialized():  # the group came from init_distributed above
-        torch.distributed.destroy_process_group()
+    amp.close()  # releases the wrapped model, which holds the process group
+    shutdown_distributed()  # the group came from init_distributed above
     return 0
 
 

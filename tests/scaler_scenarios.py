@@ -19,6 +19,7 @@ from distamp import DistributedGradScaler
 
 INF = float("inf")
 NAN = float("nan")
+ALL_RANKS = -1  # an injection "rank" meaning: every rank gets the value at that step
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class Scenario:
     injections: dict[int, tuple[int, float]] = field(
         default_factory=lambda: {1: (1, INF), 3: (0, NAN), 4: (1, INF)}
     )
+    # step -> site: which local gradient tensor (site % count) and element (site % numel) gets
+    # the value; a step absent here uses the first element of the first tensor.
+    sites: dict[int, int] = field(default_factory=dict)
 
 
 def _model(seed: int) -> nn.Module:
@@ -122,6 +126,16 @@ def _local_grads(opts: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
     return out
 
 
+def _inject(grads: list[torch.Tensor], value: float, site: int) -> None:
+    """Write ``value`` into one element of one of this rank's local gradients, chosen by ``site``.
+
+    Every rank holds at least one non-empty local gradient in every scenario (the model's first
+    layer is never an empty shard), so an injection always lands.
+    """
+    grad = grads[site % len(grads)].view(-1)
+    grad[(site // len(grads)) % grad.numel()] = value
+
+
 def run_scenario(rank: int, world: int, sc: Scenario) -> dict[str, Any]:
     """Train ``sc`` on this rank; return what every rank must agree on, per step."""
     model = _wrap(sc, _model(seed=0))
@@ -146,8 +160,8 @@ def run_scenario(rank: int, world: int, sc: Scenario) -> dict[str, Any]:
         first_param.register_hook(lambda g: g * hook_value[0] if hook_value[0] is not None else g)
     for step in range(sc.steps):
         target = sc.injections.get(step)
-        mine = target is not None and target[0] == rank
-        hook_value[0] = target[1] if (mine and sc.inject_via_hook) else None
+        mine = target is not None and target[0] in (rank, ALL_RANKS)
+        hook_value[0] = target[1] if (target is not None and mine and sc.inject_via_hook) else None
         for opt in opts:
             opt.zero_grad()
         x = torch.randn(4, 8, generator=gen)
@@ -155,7 +169,8 @@ def run_scenario(rank: int, world: int, sc: Scenario) -> dict[str, Any]:
         before = getattr(scaler, "collectives_issued", 0)
         scaler.scale(loss).backward()
         if mine and not sc.inject_via_hook:
-            _local_grads(opts)[0].view(-1)[0] = target[1]  # type: ignore[index]
+            assert target is not None
+            _inject(_local_grads(opts), target[1], sc.sites.get(step, 0))
         if sc.explicit_unscale:
             for opt in opts:
                 scaler.unscale_(opt)
@@ -189,3 +204,71 @@ def run_many(rank: int, world: int, scenarios: list[Scenario]) -> list[dict[str,
                 raise
             out.append({"error": str(e)})
     return out
+
+
+# The cross product of the reliability campaign: strategy x optimizer x unscale x optimizers x
+# hysteresis. ``tests/test_reliability.py`` samples it; ``benchmarks/reliability.py`` runs it all.
+CAMPAIGN_AXES: dict[str, tuple[Any, ...]] = {
+    "strategy": ("ddp", "fsdp1", "fsdp2"),
+    "optimizer": ("fused", "foreach"),
+    "explicit_unscale": (False, True),
+    "two_optimizers": (False, True),
+    "hysteresis": (1, 2),
+}
+
+
+def campaign_configs() -> list[dict[str, Any]]:
+    """Every combination of :data:`CAMPAIGN_AXES`, as keyword arguments of :class:`Scenario`."""
+    import itertools
+
+    names = list(CAMPAIGN_AXES)
+    return [
+        dict(zip(names, values, strict=True))
+        for values in itertools.product(*(CAMPAIGN_AXES[n] for n in names))
+    ]
+
+
+def random_scenario(
+    config: dict[str, Any], *, seed: int, steps: int, world: int, rate: float = 0.3
+) -> Scenario:
+    """``config`` with inf/NaN injected at random steps, ranks and gradient elements.
+
+    Each step is hit with probability ``rate``; the target is one rank or every rank, the value
+    +inf, -inf or NaN, the site any element of any local gradient. Seeded: the same arguments
+    always give the same campaign, so a failure is reproducible from its printed scenario.
+    """
+    import random
+
+    rng = random.Random(seed)
+    injections: dict[int, tuple[int, float]] = {}
+    sites: dict[int, int] = {}
+    for step in range(steps):
+        if rng.random() < rate:
+            rank = rng.choice([*range(world), ALL_RANKS])
+            injections[step] = (rank, rng.choice([INF, -INF, NAN]))
+            sites[step] = rng.randrange(1 << 30)
+    return Scenario(**config, steps=steps, injections=injections, sites=sites)
+
+
+def check_agreement(results: list[dict[str, Any]], sc: Scenario) -> list[str]:
+    """Every way the ranks of one scenario disagree (or a skip was missed); empty when none.
+
+    Per step: the same skip decision on every rank, the same scale, bitwise-equal full
+    parameters; at the end the same scaler state. A step with an injection must be skipped and
+    a clean one must not.
+    """
+    problems = []
+    first = results[0]
+    for rank, res in enumerate(results[1:], start=1):
+        for key in ("skipped", "scale", "params"):
+            problems += [
+                f"rank {rank} differs from rank 0 on {key} at step {step}"
+                for step, (a, b) in enumerate(zip(first[key], res[key], strict=True))
+                if a != b
+            ]
+        if res["state_dict"] != first["state_dict"]:
+            problems.append(f"rank {rank} differs from rank 0 on the final scaler state")
+    expected = [step in sc.injections for step in range(sc.steps)]
+    if first["skipped"] != expected:
+        problems.append(f"skips {first['skipped']} != injected steps {expected}")
+    return problems
