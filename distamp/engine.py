@@ -55,9 +55,11 @@ SchedulerArg = Any  # an LRScheduler-like object (has .step), a factory `opt -> 
 
 
 def make_scaler(device_type: str, enabled: bool) -> DistributedGradScaler:
-    """The engine's default scaler: rank-consistent skips (see :mod:`distamp.scaler`). Disabled
-    (every method a no-op, no sync, no collective) when the precision needs no loss scaling."""
-    return DistributedGradScaler(device=device_type, enabled=enabled)
+    """The engine's default scaler: rank-consistent skips (see :mod:`distamp.scaler`). When the
+    precision needs no loss scaling (bf16, fp32) it only checks: nothing is scaled, yet a step
+    with an inf/NaN gradient (a NaN loss, a diverging batch) is skipped on every rank instead of
+    writing NaN into the parameters. ``enabled=False`` is used only as a placeholder."""
+    return DistributedGradScaler(device=device_type, check_only=not enabled)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,7 +191,7 @@ class DistAMP:
         self._optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.scaler: DistributedGradScaler = (
-            scaler if scaler is not None else make_scaler("cpu", False)
+            scaler if scaler is not None else DistributedGradScaler("cpu", enabled=False)
         )
         self.strategy = strategy
         self.mp_owner: MPOwner = "none"
@@ -464,7 +466,7 @@ class DistAMP:
             self.scaler.attach_tracer(None)
         self._model = self._optimizer = self.scheduler = self.tracer = None
         self.comm_hook_state = None
-        self.scaler = make_scaler(self.device.type, False)  # it holds process-group handles
+        self.scaler = DistributedGradScaler("cpu", enabled=False)  # it held group handles
         gc.collect()
         if self._owns_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -80,6 +80,10 @@ class DistributedGradScaler(torch.amp.GradScaler):
             chooses the mesh of FSDP2 (DTensor) parameters or the default group.
         sync_free: ``step()`` never waits for the device: the skip is decided on device, through
             the optimizer's ``found_inf`` argument (fused optimizers) or a masked update.
+        check_only: for bf16 and fp32 training, which need no loss scaling: ``scale()`` returns
+            the loss unchanged, ``unscale_`` only checks (one read, no write), the scale stays 1,
+            and a step whose gradients hold an inf/NaN is still skipped on every rank, counted and
+            reported. Clipping keeps its single pass.
         report_overflow: keep one non-finite flag per gradient tensor, raised by the unscale pass
             itself and kept on device, for :meth:`overflow_report`. Free with the Triton kernel
             and for fused optimizers; the torch reference's in-place unscale then checks and
@@ -106,6 +110,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
         process_group: reduction.GroupSpec = None,
         sync_free: bool = False,
         report_overflow: bool = True,
+        check_only: bool = False,
     ) -> None:
         device = check_device(device)
         check_scaler_args(
@@ -119,6 +124,11 @@ class DistributedGradScaler(torch.amp.GradScaler):
             max_scale=max_scale,
             sync_free=sync_free,
         )
+        if not isinstance(check_only, bool):
+            raise ValueError(f"`check_only` must be a bool, got {check_only!r}")
+        self._check_only = check_only
+        if check_only:
+            init_scale = 1.0  # nothing is scaled: the scale only reports 1
         super().__init__(
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
         )
@@ -173,6 +183,13 @@ class DistributedGradScaler(torch.amp.GradScaler):
         while it traces this one. No host sync.
         """
         if not self._enabled:
+            return outputs
+        if self._check_only:
+            if self._scale is None:
+                device = torch.device(self._device)
+                if device.type == "cuda" and device.index is None:
+                    device = torch.device("cuda", torch.cuda.current_device())
+                self._lazy_init_scale_growth_tracker(device)
             return outputs
         per_device: dict[torch.device, torch.Tensor] = {}
 
@@ -244,7 +261,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
     def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
+        inv_scale: torch.Tensor | None,
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
@@ -278,7 +295,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
             flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
             factor = (
                 inv_scale.to(device, non_blocking=True)
-                if write
+                if inv_scale is not None
                 else torch.ones((), dtype=torch.float32, device=device)
             )
             per_tensor = (
@@ -312,7 +329,10 @@ class DistributedGradScaler(torch.amp.GradScaler):
         self._prepare(optimizer)
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         state["found_inf_per_device"] = self._unscale_grads_(
-            optimizer, _reciprocal(scale), found_inf, False
+            optimizer,
+            None if self._check_only else _reciprocal(scale),  # check-only: read, never write
+            found_inf,
+            False,
         )
         state["found_inf"] = None
         state["stage"] = OptState.UNSCALED
@@ -323,7 +343,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
         self._prepare(optimizer)
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = self._unscale_grads_(optimizer, None, found_inf, True)  # type: ignore[arg-type]
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, None, found_inf, True)
         state["found_inf"] = None
         return state["found_inf_per_device"]
 
@@ -571,9 +591,10 @@ class DistributedGradScaler(torch.amp.GradScaler):
         ) > 0
         assert self._hysteresis_tracker is not None and self._skipped is not None
         assert self._underflow is not None
-        self._underflow |= update_scale_(
-            self._rule(), scale, tracker, self._hysteresis_tracker, found
-        )
+        if not self._check_only:  # check-only: the scale stays 1
+            self._underflow |= update_scale_(
+                self._rule(), scale, tracker, self._hysteresis_tracker, found
+            )
         self._skipped += found.to(self._skipped.dtype)
         if self._streak is not None:
             self._streak.copy_(torch.where(found, self._streak + 1, 0))
@@ -608,6 +629,11 @@ class DistributedGradScaler(torch.amp.GradScaler):
             )
 
     # ------------------------------------------------------------------ reporting
+    @property
+    def check_only(self) -> bool:
+        """Whether this scaler only checks (bf16/fp32: no scaling, non-finite steps skipped)."""
+        return self._check_only
+
     @property
     def last_step_skipped(self) -> torch.Tensor:
         """0-dim bool tensor: whether the last step/update skipped (no host sync to get it)."""

@@ -279,12 +279,8 @@ def test_nan_loss_before_scaling_is_skipped_and_reported() -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bf16/fp32: the engine's scaler is disabled, so nothing checks the gradients and a "
-    "NaN loss steps the optimizer (parameters become NaN)",
-)
-def test_nan_loss_is_skipped_without_loss_scaling_too() -> None:
-    amp, model = _engine("bf16")
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_nan_loss_is_skipped_without_loss_scaling_too(precision: str) -> None:
+    amp, model = _engine(precision)
     assert _train(amp, model, 1, nan_at=0) == [False]
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -239,7 +239,7 @@ def test_autocast_uses_the_compute_dtype_on_cpu() -> None:
         with amp.autocast():
             out = model(torch.ones(2, 4))
         assert out.dtype == (dtype or torch.float32), precision
-        assert amp.scaler.is_enabled() == (precision == "fp16")
+        assert amp.scaler.is_enabled() and amp.scaler.check_only == (precision != "fp16")
 
 
 def test_call_order_errors() -> None:

@@ -318,3 +318,27 @@ def test_sync_free_step_issues_no_host_sync(kind: str, monkeypatch: pytest.Monke
     assert counter is not None and counter.count == 0
     monkeypatch.undo()
     assert s.skipped_steps == 2
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_check_only_scales_nothing_and_still_skips(kind: str) -> None:
+    model, opt = _model_and_opt(kind)
+    s = DistributedGradScaler("cpu", check_only=True)
+    x = torch.randn(4, 8)
+    for step, poison in enumerate([1.0, NAN, 1.0]):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        assert s.scale(loss) is loss  # nothing to scale: no multiply either
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        if poison != 1.0:
+            model[0].weight.grad[0, 0] = poison
+        before = [p.detach().clone() for p in model.parameters()]
+        s.unscale_(opt)
+        if poison == 1.0:  # a check only: the gradients are not rewritten
+            assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+        s.step(opt)
+        s.update()
+        unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        assert unchanged == (step == 1) and s.get_scale() == 1.0
+    assert s.skipped_steps == 1 and s.check_only
