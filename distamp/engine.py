@@ -129,7 +129,8 @@ class DistAMP:
     Args:
         precision: any spelling :func:`distamp.policy.parse_precision` accepts ("bf16", "fp16",
             "16-mixed", torch.float16...). fp16 gets a :class:`~distamp.DistributedGradScaler`;
-            bf16 and fp32 need no loss scaling and get a disabled one.
+            bf16 and fp32 need no loss scaling and get a check-only one (non-finite steps are
+            still skipped on every rank).
         strategy: "ddp", "fsdp" (FSDP1), "fsdp2" (``fully_shard``), "none", or "auto" (ddp when
             more than one rank, else none).
         policy: an :class:`~distamp.AutocastPolicy` (its precision must be ``precision``), or
