@@ -349,7 +349,8 @@ class DistAMP:
         if self.tracer is not None:
             self.tracer.record_loss(loss)
         scaled = loss / n if n > 1 else loss
-        self.scaler.scale(scaled).backward()
+        with named_collective("backward (the wrapper's gradient all-reduce)", self.config.timeout):
+            self.scaler.scale(scaled).backward()
         self._micro += 1
 
     def step(self) -> StepResult:
@@ -367,12 +368,13 @@ class DistAMP:
                 "backward() once per micro-batch, then step() once per cycle"
             )
         norm = None
-        if self.config.max_grad_norm is not None:
-            # Unscale + overflow check + norm in one pass and one collective, clip factor applied
-            # once (inside a fused optimizer's step); also clips when the scaler is disabled.
-            norm = scaler.clip_grad_norm_(opt, self.config.max_grad_norm)
-        scaler.step(opt)
-        scaler.update()
+        with named_collective("step (overflow flag and norm agreement)", self.config.timeout):
+            if self.config.max_grad_norm is not None:
+                # Unscale + overflow check + norm in one pass and one collective, clip factor
+                # applied once (inside a fused optimizer's step).
+                norm = scaler.clip_grad_norm_(opt, self.config.max_grad_norm)
+            scaler.step(opt)
+            scaler.update()
         result = StepResult.capture(scaler, norm)
         if self.scheduler is not None and result.stepped:  # host sync (see docstring)
             self.scheduler.step()
@@ -510,6 +512,7 @@ class DistAMP:
             The last collected window (``None`` if there was nothing to do).
         """
         n, stats, model = self.config.grad_accum_steps, None, self.model
+        cfg_timeout = self.config.timeout
         saved_at = self.step_count  # a resumed run that has nothing left to do saves nothing
         while self.step_count < steps:
             for micro in range(n):
@@ -523,9 +526,10 @@ class DistAMP:
                 on_step(done)
             if done % log_interval == 0 or done == steps:
                 stop = bool(stop_requested()) if stop_requested is not None else False
-                stats = self._diagnose(
-                    self.metrics.collect(step=done, scaler=self.scaler, stop=stop)
-                )
+                with named_collective("metrics collection at a logging step", cfg_timeout):
+                    stats = self._diagnose(
+                        self.metrics.collect(step=done, scaler=self.scaler, stop=stop)
+                    )
                 if on_log is not None:
                     on_log(stats)
                 if stats.stop:
