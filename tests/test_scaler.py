@@ -336,9 +336,10 @@ def test_check_only_scales_nothing_and_still_skips(kind: str) -> None:
         before = [p.detach().clone() for p in model.parameters()]
         s.unscale_(opt)
         if poison == 1.0:  # a check only: the gradients are not rewritten
-            assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+            pairs = zip(grads, model.parameters(), strict=True)
+            assert all(torch.equal(g, p.grad) for g, p in pairs)
         s.step(opt)
         s.update()
-        unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
         assert unchanged == (step == 1) and s.get_scale() == 1.0
     assert s.skipped_steps == 1 and s.check_only
