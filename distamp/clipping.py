@@ -31,6 +31,7 @@ from distamp.kernels import unscale_check_sumsq_
 __all__ = [
     "check_clip_args",
     "clip_coefficient",
+    "clip_divisor",
     "local_norm_term",
     "replicas",
     "scale_grads_",
@@ -151,6 +152,8 @@ def local_norm_term(
         terms.append((term / n if n > 1 and norm_type != math.inf else term).to(home))
     if not terms:
         return torch.zeros((), dtype=torch.float32, device=home), by_device
+    if len(terms) == 1:  # the usual case: no stack and sum launched for nothing
+        return terms[0], by_device
     stacked = torch.stack(terms)
     return (stacked.max() if norm_type == math.inf else stacked.sum()), by_device
 
@@ -167,6 +170,22 @@ def total_norm(term: torch.Tensor, norm_type: float) -> torch.Tensor:
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``min(1, max_norm / (norm + eps))`` on device, as torch's ``clip_grad_norm_`` computes it."""
     return (max_norm / (norm + EPS)).clamp(max=1.0)
+
+
+def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``max(1, (norm + eps) / max_norm)``, the reciprocal of :func:`clip_coefficient`, and 1
+    where ``norm`` is not finite.
+
+    What a loss-scaled step folds into its factor: ``grad_scale = scale * divisor`` for a fused
+    optimizer, ``inv_scale / divisor`` for one multiply pass. Four small ops on device instead
+    of the eleven that the coefficient, a finiteness test and a select take: at hundreds of
+    millions of elements these launches, not the gradient read, decide whether the clipped
+    step costs more than one pass. A non-finite norm means the step is skipped (or, in fp32, that
+    the sum of squares overflowed): the gradients are then left as they are, so an inf gradient
+    stays inf for the overflow report instead of becoming ``inf * 0 = nan``.
+    """
+    divisor = ((norm + EPS) / max_norm).clamp_(min=1.0)
+    return divisor.nan_to_num_(nan=1.0, posinf=1.0)
 
 
 def scale_grads_(

@@ -123,7 +123,7 @@ class OverflowRecorder:
             self._iteration = torch.zeros((), dtype=torch.int64, device=found.device)
             self._last_skip = torch.full((), -1, dtype=torch.int64, device=found.device)
         assert self._last_skip is not None
-        self._last_skip.copy_(torch.where(found, self._iteration, self._last_skip))
+        torch.where(found, self._iteration, self._last_skip, out=self._last_skip)
         fresh = set()
         for params, flags in self._current:
             key = tuple(map(id, params))

@@ -36,33 +36,35 @@ def update_scale_(
     growth_tracker: torch.Tensor,
     hysteresis_tracker: torch.Tensor,
     found_inf: torch.Tensor,
-) -> torch.Tensor:
-    """Update the three trackers in place from ``found_inf`` (bool or {0,1} tensor).
+) -> torch.Tensor | None:
+    """Update the three trackers in place from ``found_inf`` (a float32 tensor, nonzero on an
+    overflow, as torch's scalers keep it).
 
-    Returns a 0-dim bool tensor: True when an overflow arrived while the scale was already at
-    ``min_scale`` (the caller decides whether and when to read it).
+    Returns a 0-dim bool tensor, True when an overflow arrived while the scale was already at
+    ``min_scale`` (the caller decides whether and when to read it); None without a ``min_scale``,
+    where that cannot happen, so that no op is launched for it.
     """
-    found = found_inf > 0
     if rule.hysteresis == 1 and rule.min_scale is None:
         # torch's fused update is one kernel instead of a dozen small ops (0.04 vs 0.3 ms on CPU);
         # the only extra is the ceiling.
         torch._amp_update_scale_(
             scale,
             growth_tracker,
-            found.float(),
+            found_inf,
             rule.growth_factor,
             rule.backoff_factor,
             rule.growth_interval,
         )
         if rule.max_scale is not None:
             scale.clamp_(max=rule.max_scale)
-        return torch.zeros_like(found)
+        return None
+    found = found_inf > 0
     hyst_after = torch.where(found, hysteresis_tracker - 1, hysteresis_tracker)
     backoff = found & (hyst_after <= 0)
     successful = growth_tracker + 1
     grow = ~found & (successful >= rule.growth_interval)
     backed = scale * rule.backoff_factor
-    underflow = torch.zeros_like(found)
+    underflow = None
     if rule.min_scale is not None:
         underflow = backoff & (scale <= rule.min_scale)
         backed = backed.clamp(min=rule.min_scale)

@@ -27,6 +27,7 @@ from distamp import reduction
 from distamp.clipping import (
     check_clip_args,
     clip_coefficient,
+    clip_divisor,
     local_norm_term,
     scale_grads_,
     total_norm,
@@ -457,7 +458,6 @@ class DistributedGradScaler(torch.amp.GradScaler):
             scale, home = None, _grad_device(optimizer)
         self._prepare(optimizer)
         found_inf = torch.zeros((), dtype=torch.float32, device=home)
-        inv_scale = torch.ones((), dtype=torch.float32, device=home)
         if deferred:
             assert scale is not None
             if not fused:
@@ -465,6 +465,8 @@ class DistributedGradScaler(torch.amp.GradScaler):
             inv_scale = _reciprocal(scale)
             state["found_inf_per_device"] = {home: found_inf}  # filled by the pass below
             state["found_inf"] = None
+        else:  # the gradients are unscaled already (or were never scaled)
+            inv_scale = torch.ones((), dtype=torch.float32, device=home)
         reducer = self._reducer_for([k for k, _ in self._pending()] + [id(optimizer)])
         term, grads = local_norm_term(
             _params(optimizer),
@@ -478,17 +480,18 @@ class DistributedGradScaler(torch.amp.GradScaler):
         )
         op = "max" if norm_type == float("inf") else "sum"
         norm = total_norm(self._reduce_pending(term, op, reducer), norm_type)  # type: ignore[arg-type]
-        coef = clip_coefficient(norm, max_norm)
-        if self._enabled:  # a skipped step: keep inf as inf (not inf * 0 = nan) for the report
-            coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
-        if deferred and fused and scale is not None:
-            state["grad_scale"] = scale / coef  # the fused step divides by it
-        elif deferred:
-            scale_grads_(grads, inv_scale * coef)
-        elif self._enabled and fused:
-            state["grad_scale"] = coef.reciprocal()  # gradients already unscaled
+        if self._enabled:  # a skipped step keeps inf as inf (not inf * 0 = nan) for the report
+            divisor = clip_divisor(norm, max_norm)
+            if deferred and fused and scale is not None:
+                state["grad_scale"] = scale * divisor  # the fused step divides by it
+            elif deferred:
+                scale_grads_(grads, inv_scale / divisor)
+            elif fused:
+                state["grad_scale"] = divisor  # gradients already unscaled
+            else:
+                scale_grads_(grads, divisor.reciprocal())
         else:
-            scale_grads_(grads, coef)
+            scale_grads_(grads, clip_coefficient(norm, max_norm))
         if deferred:
             state["stage"] = OptState.UNSCALED
         state["clipped"] = self._enabled  # a disabled scaler keeps no per-step state
@@ -586,18 +589,21 @@ class DistributedGradScaler(torch.amp.GradScaler):
                 "update() found no inf checks for this iteration: call scaler.step(optimizer) "
                 "(or unscale_) for at least one optimizer before update()."
             )
-        found = (
+        found_inf = (
             flags[0] if len(flags) == 1 else torch.stack([f.to(scale.device) for f in flags]).amax()
-        ) > 0
+        )
+        found = found_inf > 0
         assert self._hysteresis_tracker is not None and self._skipped is not None
         assert self._underflow is not None
         if not self._check_only:  # check-only: the scale stays 1
-            self._underflow |= update_scale_(
-                self._rule(), scale, tracker, self._hysteresis_tracker, found
+            underflow = update_scale_(
+                self._rule(), scale, tracker, self._hysteresis_tracker, found_inf
             )
-        self._skipped += found.to(self._skipped.dtype)
+            if underflow is not None:
+                self._underflow |= underflow
+        self._skipped.add_(found)
         if self._streak is not None:
-            self._streak.copy_(torch.where(found, self._streak + 1, 0))
+            torch.mul(self._streak + 1, found, out=self._streak)  # +1 on a skip, else 0
         self._last_skipped = found
         if self._overflow is not None:
             self._overflow.commit(found)
