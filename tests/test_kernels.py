@@ -445,6 +445,41 @@ def test_reference_matches_fp64(
     assert_same(sumsq, exact_sumsq(clean, 1 / 3), 1e-5, "reference sumsq")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=NAMES.get)
+def test_reference_cpu_pieces(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU, large 16-bit tensors are normed in pieces: the sum of squares is the whole one's,
+    and the flags still name whole tensors (a piece of a tensor is never reported)."""
+    monkeypatch.setattr(reference, "_CPU_PIECE", 64)
+    grads = make_grads([1000, 64, 65, 3, 0, 4097], dtype, "cpu", seed=7, magnitude=2.0)
+    grads.append(make_grads([40 * 30], dtype, "cpu", seed=8)[0].view(40, 30).t())  # not contiguous
+    assert len(reference._cpu_pieces([g for g in grads if g.numel()])) > len(grads)
+    inv = 1 / 3
+    sumsq = unscale_check_sumsq_(
+        grads,
+        torch.zeros(()),
+        torch.tensor(inv),
+        write=False,
+        compute_sumsq=True,
+        backend="torch",
+        sumsq_dtype=torch.float64,
+    )
+    assert_same(sumsq, exact_sumsq(grads, inv), 1e-5, "sumsq over pieces")
+    grads[5][4096] = float("inf")
+    found = torch.zeros(())
+    flags = torch.zeros(len(grads), dtype=torch.uint8)
+    sumsq = unscale_check_sumsq_(
+        grads,
+        found,
+        torch.tensor(inv),
+        write=False,
+        compute_sumsq=True,
+        per_tensor_flags=flags,
+        backend="torch",
+    )
+    assert float(found) == 1.0 and sumsq is not None and not bool(sumsq.isfinite())
+    assert flags.nonzero().flatten().tolist() == [5]
+
+
 @pytest.mark.parametrize(("inv", "rtol"), [(0.125, 0.0), (1 / 3, ULP[torch.bfloat16])])
 def test_reference_without_amp_op_support(
     inv: float, rtol: float, monkeypatch: pytest.MonkeyPatch

@@ -12,7 +12,8 @@ By device (timings: torch 2.13 CPU, 2 cores, 10M fp32 elements in 200 tensors):
   fp32 norms.
 - CPU: fp64 norms take 510 ms there and ``_foreach_norm(ord=inf)`` 248 ms, fp32 norms 1.8 ms and
   a loop of ``torch.aminmax`` 3.4 ms. So the CPU checks with aminmax and sums fp32 norms: two read
-  passes when the sum is asked for, one otherwise.
+  passes when the sum is asked for, one otherwise. 16-bit norms accumulate in fp32 over pieces
+  of at most 1M elements (a whole-tensor upcast is 5x slower there).
 - fp32 norms inherit torch's limit: a tensor whose fp32 squares overflow (elements beyond ~1e19)
   gives an infinite sum, as in ``torch.nn.utils.clip_grad_norm_``; tiny ones (below ~1e-19)
   underflow. The check itself is exact everywhere. The Triton kernel has neither limit.
@@ -36,6 +37,7 @@ __all__ = [
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_CPU_PIECE = 1 << 20  # elements per piece when a CPU 16-bit norm upcasts (see _cpu_pieces)
 _amp_support: dict[tuple[str, torch.dtype], bool] = {}
 _norm64_support: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -90,7 +92,8 @@ def _flags_and_norms(
     group: list[torch.Tensor], need_norms: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Which tensors of ``group`` (non-empty, one dtype) hold an inf or NaN, and (when asked)
-    their fp64 2-norms. Read-only; no host sync and no data-dependent host branch."""
+    fp64 2-norms whose squares sum to the group's sum of squares (one per tensor, or per piece of
+    a large CPU tensor). Read-only; no host sync and no data-dependent host branch."""
     strategy = _norm_strategy(group[0].device, group[0].dtype)
     if strategy == "fp64":
         norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float64))
@@ -104,8 +107,29 @@ def _flags_and_norms(
     bad = ends.isinf().any(dim=1) | ends.isnan().any(dim=1)
     if not need_norms:
         return bad, None
-    acc = torch.float32 if group[0].dtype in _LOW_PRECISION else None
-    return bad, torch.stack(torch._foreach_norm(group, 2, dtype=acc)).to(torch.float64)
+    if group[0].dtype not in _LOW_PRECISION:
+        return bad, torch.stack(torch._foreach_norm(group, 2)).to(torch.float64)
+    if strategy == "cpu":
+        group = _cpu_pieces(group)
+    return bad, torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).to(torch.float64)
+
+
+def _cpu_pieces(group: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``group`` with each large contiguous tensor split into views of ``_CPU_PIECE`` elements.
+
+    On CPU, ``_foreach_norm(dtype=float32)`` of a 16-bit tensor first copies the whole tensor to
+    fp32: a fresh allocation as large as the tensor, page-faulted in at every step. Pieces keep
+    that copy small and in cache: 36 -> 6.5 ms (bf16) and 25 -> 6.0 ms (fp16) for 20M elements in
+    100 log-normal-sized tensors (torch 2.13, 2 cores). The sum of the pieces' squares is the
+    group's sum of squares, which is all the caller needs.
+    """
+    pieces: list[torch.Tensor] = []
+    for g in group:
+        if g.numel() > _CPU_PIECE and g.is_contiguous():
+            pieces.extend(g.view(-1).split(_CPU_PIECE))
+        else:
+            pieces.append(g)
+    return pieces
 
 
 def device_mismatch(i: int, g: torch.Tensor, device: torch.device) -> ValueError:
