@@ -9,31 +9,31 @@ fused optimizer through its ``grad_scale`` argument (no extra pass at all), othe
 multiply pass.
 
 Summing the squares across ranks must count every gradient element exactly once. A rank's local
-sum is therefore weighted by ``1 / replicas`` per gradient, where ``replicas`` is how many ranks
-of the reduction group hold the same elements: all of them for plain (DDP-replicated) tensors,
-one for an FSDP1 shard (``shard_group`` ranks share the reduction group), and the product of the
-replicated mesh dimensions for FSDP2/HSDP DTensors. When no collective runs (one rank, or DDP has
-already made the gradients identical) the local sum is the global one and every weight is 1.
+sum is therefore weighted by ``1 / copies`` per gradient, where ``copies`` is how many ranks of
+the reduction group hold the same elements (:meth:`distamp.topology.Topology.copies`: DDP
+replicas, FSDP1 shards, DTensor placements on any mesh, pipeline stages). When no collective runs
+(one rank, or DDP has already made the gradients identical) the local sum is the global one and
+every weight is 1.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from distamp.diagnostics import OverflowRecorder
 from distamp.kernels import unscale_check_sumsq_
+from distamp.topology import local_grad
 
 __all__ = [
     "check_clip_args",
     "clip_coefficient",
     "clip_divisor",
     "local_norm_term",
-    "replicas",
     "scale_grads_",
     "total_norm",
 ]
@@ -53,28 +53,8 @@ def check_clip_args(max_norm: Any, norm_type: Any) -> tuple[float, float]:
     return float(max_norm), float(norm_type)
 
 
-def replicas(param: torch.Tensor, group_size: int, shard_groups: Mapping[int, int]) -> int:
-    """How many ranks of a reduction group of ``group_size`` ranks hold ``param``'s gradient
-    elements (a DTensor gradient is placed like its parameter)."""
-    if group_size <= 1:  # nothing is reduced: the local sum is already the whole
-        return 1
-    placements = getattr(param, "placements", None)
-    mesh = getattr(param, "device_mesh", None)
-    if placements is not None and mesh is not None:  # DTensor: replicated over Replicate dims
-        n = 1
-        for dim, placement in enumerate(placements):
-            if placement.is_replicate():
-                n *= mesh.size(dim)
-        return n
-    shard = shard_groups.get(id(param))
-    if shard is not None:  # FSDP1 flat-parameter shard: one copy per shard group
-        return max(1, group_size // shard)
-    return group_size  # a data-parallel replica (DDP or identical by construction)
-
-
 def _local(grad: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(grad, "to_local", None)
-    local = to_local() if callable(to_local) else grad
+    local = local_grad(grad)
     if local.is_sparse:
         raise ValueError(
             "clip_grad_norm_ does not support sparse gradients: clip them with "
@@ -89,10 +69,8 @@ def local_norm_term(
     norm_type: float,
     inv_scale: torch.Tensor,
     found_inf: torch.Tensor,
-    group_size: int,
-    shard_groups: Mapping[int, int],
+    copies: Callable[[torch.Tensor], int] | None = None,
     recorder: OverflowRecorder | None = None,
-    replica_cache: dict[int, int] | None = None,
 ) -> tuple[torch.Tensor, dict[torch.device, list[torch.Tensor]]]:
     """This rank's contribution to the global norm, and its local gradients by device.
 
@@ -101,8 +79,8 @@ def local_norm_term(
     raised in place on a non-finite gradient. Other norms read gradients that are already unscaled
     (``inv_scale`` is then 1) and return the weighted sum of ``|g|^p``, or the max for ``inf``.
     With a ``recorder``, the same pass raises one flag per gradient for overflow reports.
-    ``replica_cache`` (parameter id -> replicas, for this ``group_size``) saves recomputing the
-    placement of every parameter at every step.
+    ``copies`` (from :class:`distamp.topology.Topology`) says how many ranks of the reduction
+    group hold each parameter's elements; ``None`` when no collective follows (every weight 1).
 
     Returns:
         ``(term, grads_by_device)``: a 0-dim float32 tensor on ``found_inf``'s device, to be
@@ -117,11 +95,7 @@ def local_norm_term(
             continue
         local = _local(p.grad)
         by_device[local.device].append(local)
-        n = replica_cache.get(id(p)) if replica_cache is not None else None
-        if n is None:
-            n = replicas(p, group_size, shard_groups)
-            if replica_cache is not None:
-                replica_cache[id(p)] = n
+        n = 1 if copies is None else copies(p)
         key = (local.device, n)
         groups[key].append(local)
         owners[key].append(p)

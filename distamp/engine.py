@@ -43,10 +43,12 @@ from distamp.strategies import (
     STRATEGIES,
     apply_strategy,
     gradient_sync_disabled,
+    is_parallelised,
     rebuild_optimizer,
     register_comm_hook,
     resolve_strategy,
 )
+from distamp.topology import is_pipeline_stage
 
 __all__ = ["AMPConfig", "DistAMP", "StepResult"]
 
@@ -71,6 +73,7 @@ class AMPConfig:
     policy: AutocastPolicy | None = None
     comm_hook: str | None = None
     hsdp_shard_size: int | None = None
+    mesh: Any = None
     grad_accum_steps: int = 1
     max_grad_norm: float | None = None
     scaler: DistributedGradScaler | None = None
@@ -121,6 +124,17 @@ class AMPConfig:
             # Checked here, not when the mesh is built: a bad value must fail before any rank
             # joins a process group, not inside DeviceMesh on some ranks.
             raise ValueError(f"hsdp_shard_size={h!r} must be an int >= 1, or None")
+        if self.mesh is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            if not isinstance(self.mesh, DeviceMesh):
+                raise ValueError(f"mesh={self.mesh!r} must be a torch DeviceMesh or None")
+            if self.strategy not in ("auto", "none"):
+                raise ValueError(
+                    f"mesh= with strategy={self.strategy!r}: a mesh means you parallelised the "
+                    "model yourself (parallelize_module, fully_shard, pipeline stages) and the "
+                    "engine wraps nothing; use strategy='auto' or 'none'"
+                )
 
 
 class DistAMP:
@@ -140,6 +154,12 @@ class DistAMP:
         comm_hook: DDP gradient compression aware of loss scaling: ``"fp16"``, ``"bf16"``,
             ``"powersgd"`` (see :mod:`distamp.strategies.comm_hooks`), or ``None``.
         hsdp_shard_size: ranks per shard group for ``strategy="hsdp"`` (default: one node).
+        mesh: the job's ``DeviceMesh`` when you parallelised the model yourself, torchtitan
+            style (``parallelize_module`` for TP, ``fully_shard`` over dp, pipeline stages): the
+            engine then wraps nothing and adds precision, scaling, clipping and checkpoints.
+            The skip and the clipping norm are agreed over the whole job whatever the mesh.
+            A model that is already parallelised (DDP, FSDP, DTensor parameters) is detected and
+            left as it is even without ``mesh``.
         grad_accum_steps: micro-batches per optimizer step; each loss is divided by it.
         max_grad_norm: clip the total gradient norm to this after unscaling; ``None``: no clip.
         scaler: a scaler to use instead of the default one (e.g. ``sync_free=True``).
@@ -166,6 +186,7 @@ class DistAMP:
         trace_nonfinite: bool = False,
         comm_hook: str | None = None,
         hsdp_shard_size: int | None = None,
+        mesh: Any = None,
     ) -> None:
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
@@ -180,6 +201,7 @@ class DistAMP:
             policy=policy,
             comm_hook=comm_hook,
             hsdp_shard_size=hsdp_shard_size,
+            mesh=mesh,
             grad_accum_steps=grad_accum_steps,
             max_grad_norm=max_grad_norm,
             scaler=scaler,
@@ -227,9 +249,13 @@ class DistAMP:
 
     # ------------------------------------------------------------------ setup
     def setup(
-        self, model: nn.Module, optimizer: OptimizerArg, scheduler: SchedulerArg = None
+        self, model: nn.Module | Any, optimizer: OptimizerArg, scheduler: SchedulerArg = None
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Move ``model`` to the device, wrap it for the strategy, and build what depends on it.
+
+        ``model`` may be already parallelised (DDP, FSDP, DTensor parameters; see ``mesh``) or a
+        ``torch.distributed.pipelining`` stage, whose module is then trained: drive its schedule
+        with :meth:`pipeline_step`.
 
         Pass the optimizer as a factory (``lambda params: AdamW(params, lr=...)``) to have it built
         over the wrapped parameters. FSDP replaces the parameters, so an optimizer that was already
@@ -256,7 +282,11 @@ class DistAMP:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        self.strategy = resolve_strategy(cfg.strategy, self.world_size)
+        stage = None
+        if is_pipeline_stage(model):  # a torch.distributed.pipelining stage: train its module
+            stage, model = model, model.submod
+        parallelised = cfg.mesh is not None or stage is not None or is_parallelised(model)
+        self.strategy = resolve_strategy(cfg.strategy, self.world_size, parallelised=parallelised)
         self.mp_owner = select_mp_owner(cfg.precision, self.strategy, self.device.type)
         built = isinstance(optimizer, torch.optim.Optimizer)
         if built and self.strategy in SHARDED and hasattr(scheduler, "step"):
@@ -294,8 +324,9 @@ class DistAMP:
             if cfg.scaler is not None
             else make_scaler(self.device.type, cfg.precision.needs_scaler)
         )
-        # Names for reports; DDP: no extra collective; FSDP1: which parameters are shards.
-        self.scaler.register_module(wrapped)
+        # Names for reports; DDP: no extra collective; FSDP1: which parameters are shards;
+        # a pipeline stage: how many ranks run the same stage.
+        self.scaler.register_module(wrapped if stage is None else stage)
         if cfg.comm_hook is not None:
             assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
             self.comm_hook_state = register_comm_hook(wrapped, cfg.comm_hook, scaler=self.scaler)
@@ -392,6 +423,47 @@ class DistAMP:
         """
         self.backward(loss, tokens=tokens)
         return self.step() if self._micro == self.config.grad_accum_steps else None
+
+    # ------------------------------------------------------------------ pipeline parallelism
+    def scaled_loss_fn(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """The ``loss_fn`` to build a ``torch.distributed.pipelining`` schedule with.
+
+        Each micro-batch loss (on the last stage) is recorded for the metrics, unscaled, then
+        multiplied by the loss scale, so the schedule's backward yields scaled gradients on every
+        stage; the schedule keeps its own micro-batch averaging. Call on every rank (the scale
+        is created on stages that compute no loss, so that they can step).
+        """
+        if self.config.grad_accum_steps != 1:
+            raise ValueError(
+                f"grad_accum_steps={self.config.grad_accum_steps}: under a pipeline schedule the "
+                "schedule's micro-batches are the accumulation; use grad_accum_steps=1 and "
+                "n_microbatches in the schedule"
+            )
+
+        def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
+            loss = loss_fn(*args, **kwargs)
+            self.metrics.record(loss)
+            return loss
+
+        return self.scaler.scaled_loss_fn(recorded)
+
+    def pipeline_step(self, schedule: Any, *args: Any, **kwargs: Any) -> StepResult:
+        """Run one pipeline-schedule iteration (forward and backward of every micro-batch, under
+        this engine's autocast), then :meth:`step`: clip with the whole model's norm, step or
+        skip on every stage alike, update the scale. ``args``/``kwargs`` go to
+        ``schedule.step`` (inputs on the first stage, ``target=`` on the last).
+        """
+        if self._micro:
+            raise RuntimeError(
+                "pipeline_step() after backward(): a pipeline schedule runs its own backward"
+            )
+        with (
+            self.autocast(),
+            named_collective("pipeline schedule (stage send/recv)", self.config.timeout),
+        ):
+            schedule.step(*args, **kwargs)
+        self._micro = self.config.grad_accum_steps
+        return self.step()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

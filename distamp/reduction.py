@@ -1,32 +1,24 @@
-"""Rank-wide agreement on found_inf: choosing the group and reducing every flag in ONE collective.
+"""Rank-wide agreement on found_inf: every flag of a step (and a norm term) in ONE collective.
 
-The skip decision is only safe if every rank takes it from the same number. This module owns the
-two questions behind that number: *which ranks* must agree (the default group, an explicit
-``ProcessGroup``, or the ``DeviceMesh`` that FSDP2's DTensor parameters live on), and *how* their
-flags are combined (packed into one tensor, reduced with MAX — never SUM, because fused optimizers
-skip only when found_inf is exactly 1).
+The skip decision is only safe if every rank takes it from the same number. *Which* ranks must
+agree is :mod:`distamp.topology`'s question; this module owns *how* their flags are combined:
+packed into one tensor in a fixed order, reduced with MAX — never SUM, because fused optimizers
+skip only when found_inf is exactly 1 — or, when a norm term rides along, SUM-reduced and folded
+back to {0, 1}.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["FlagReducer", "GroupSpec", "resolve_group"]
+__all__ = ["FlagReducer", "GroupSpec", "reduce_flags"]
 
 GroupSpec = Any  # ProcessGroup | DeviceMesh | None; torch types kept loose for older releases
-
-
-def _device_mesh_type() -> type | None:
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - torch builds without distributed
-        return None
-    return DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -35,11 +27,13 @@ class FlagReducer:
 
     ``groups`` is empty when there is nothing to agree with (no process group, world of one).
     A partial N-D mesh is reduced dimension by dimension: MAX is associative, so the result is the
-    mesh-wide maximum; it is the only case that costs more than one collective.
+    mesh-wide maximum; it is the only case that costs more than one collective. ``ranks`` are the
+    global ranks reached, ``None`` meaning every rank of the job.
     """
 
     groups: tuple[Any, ...]
     backend: str | None
+    ranks: frozenset[int] | None = None
 
     @property
     def is_noop(self) -> bool:
@@ -54,10 +48,9 @@ class FlagReducer:
     @property
     def size(self) -> int:
         """How many ranks the reduction spans (1 for a no-op)."""
-        n = 1
-        for group in self.groups:
-            n *= dist.get_world_size(group)
-        return n
+        if self.is_noop:
+            return 1
+        return dist.get_world_size() if self.ranks is None else len(self.ranks)
 
     def all_reduce_max_(self, flags: torch.Tensor) -> None:
         """MAX-reduce ``flags`` in place across the group (asynchronous on CUDA: no host sync)."""
@@ -68,53 +61,6 @@ class FlagReducer:
         both are associative, so the result is the reduction over every rank."""
         for group in self.groups:
             dist.all_reduce(tensor, op=op, group=group)
-
-
-def _from_mesh(mesh: Any) -> FlagReducer:
-    world = dist.get_world_size()
-    if mesh.size() == 1:
-        return FlagReducer((), None)
-    if mesh.size() == world:
-        # The mesh spans every rank: the default group reaches exactly the same ranks with one call.
-        return FlagReducer((dist.group.WORLD,), dist.get_backend())
-    if mesh.ndim == 1:
-        group = mesh.get_group()
-        return FlagReducer((group,), dist.get_backend(group))
-    groups = tuple(mesh.get_group(d) for d in range(mesh.ndim))
-    return FlagReducer(groups, dist.get_backend(groups[0]))
-
-
-def resolve_group(process_group: GroupSpec, params: Iterable[torch.Tensor]) -> FlagReducer:
-    """Pick the ranks whose flags must agree for an optimizer over ``params``.
-
-    Args:
-        process_group: the scaler's ``process_group`` argument: a ``ProcessGroup``, a
-            ``DeviceMesh``, or ``None`` for automatic choice.
-        params: the optimizer's parameters. Parameters (not gradients) are inspected because a rank
-            with an empty shard has no gradient yet must choose the same group as its peers.
-
-    Returns:
-        A :class:`FlagReducer`. With ``process_group=None``: the mesh of FSDP2's DTensor
-        parameters if there are any, else the default group; a no-op when torch.distributed is not
-        initialized or the world has one rank.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return FlagReducer((), None)
-    mesh_type = _device_mesh_type()
-    if process_group is not None:
-        if mesh_type is not None and isinstance(process_group, mesh_type):
-            return _from_mesh(process_group)
-        if dist.get_world_size(process_group) == 1:
-            return FlagReducer((), None)
-        return FlagReducer((process_group,), dist.get_backend(process_group))
-    # DTensor parameters (FSDP2) carry their mesh.
-    meshes = {id(m): m for p in params if (m := getattr(p, "device_mesh", None)) is not None}
-    if len(meshes) == 1:
-        return _from_mesh(next(iter(meshes.values())))
-    # Several meshes (or none): the default group is a superset of all of them, hence correct.
-    if dist.get_world_size() == 1:
-        return FlagReducer((), None)
-    return FlagReducer((dist.group.WORLD,), dist.get_backend())
 
 
 def reduce_flags(

@@ -1,23 +1,26 @@
 """DistributedGradScaler: torch.amp.GradScaler whose skip decision is identical on every rank.
 
 torch's scalers decide "skip this step?" from each rank's own gradients. Under FSDP (sharded
-gradients), with fused optimizers, or with parameters DDP does not synchronise, one rank can see an
-inf that another does not: one rank skips and backs off, the other steps, and the replicas diverge
-silently. This scaler keeps torch's state machine (READY -> UNSCALED -> STEPPED -> update) and
-changes one thing: before any decision is taken, every pending found_inf flag of the step is packed
-into one tensor and MAX-reduced over the right group (:mod:`distamp.reduction`). Everything after
-that (optimizer gating, scale update) then runs on identical numbers on every rank.
+gradients), with fused optimizers, with parameters DDP does not synchronise, or with pipeline
+stages that never see each other's gradients, one rank can see an inf that another does not: one
+rank skips and backs off, the other steps, and the model diverges silently. This scaler keeps
+torch's state machine (READY -> UNSCALED -> STEPPED -> update) and changes one thing: before any
+decision is taken, every pending found_inf flag of the step is packed into one tensor and
+MAX-reduced over the whole job (:mod:`distamp.reduction`, over the ranks
+:mod:`distamp.topology` names). Everything after that (optimizer gating, scale update) then runs
+on identical numbers on every rank.
 
-Beyond torch it adds hysteresis, min/max scale, skip reporting without host syncs, and a
-``state_dict`` that carries all of it.
+Beyond torch it adds hysteresis, min/max scale, one-pass clipping whose norm counts every element
+of the job once, skip reporting without host syncs, and a ``state_dict`` that carries all of it.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
-from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,11 +37,13 @@ from distamp.clipping import (
 )
 from distamp.diagnostics import NonFiniteTracer, OverflowRecorder, OverflowReport, build_report
 from distamp.kernels import unscale_check_sumsq_
+from distamp.scale_state import ScaleState
 from distamp.scale_update import ScaleRule, update_scale_
 from distamp.scaler_config import check_device, check_scaler_args, validate_state_dict
 from distamp.sync_free import masked_step
+from distamp.topology import Topology, grad_device, local_grad, optimizer_params
 
-__all__ = ["DistributedGradScaler", "ScaleUnderflowError", "ScalerStateError"]
+__all__ = ["DistributedGradScaler", "OptimizerStep", "ScaleUnderflowError", "ScalerStateError"]
 
 
 FP16_GRADS = (
@@ -59,13 +64,84 @@ class ScalerStateError(RuntimeError, AssertionError):
     """
 
 
-def _refresh_state() -> dict[str, Any]:
-    # "found_inf": the rank-agreed flag once reduced; "pending": local flags not yet reduced.
-    return {"stage": OptState.READY, "found_inf_per_device": {}, "found_inf": None}
+@dataclass(eq=False)
+class OptimizerStep:
+    """One optimizer's progress through the current iteration (READY -> UNSCALED -> STEPPED).
+
+    ``local_flags`` are this rank's non-finite flags, one per device, not yet agreed;
+    ``found_inf`` is the rank-agreed flag once the step's one collective ran. ``grad_scale`` is
+    what a fused optimizer must divide by after clipping (the clip divisor, times the scale when
+    unscaling was deferred into its step). Subscripting with torch's keys (``"stage"``,
+    ``"found_inf_per_device"``) works as on torch's per-optimizer dict, so code written against
+    torch's scaler internals keeps working; reading ``found_inf_per_device`` returns the agreed
+    flag, running the step's collective first if it has not run yet.
+    """
+
+    stage: OptState = OptState.READY
+    local_flags: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    found_inf: torch.Tensor | None = None
+    grad_scale: torch.Tensor | None = None
+    clipped: bool = False
+    ddp_covered: bool = False
+    agree: Callable[[], Any] | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether local flags wait for the collective."""
+        return bool(self.local_flags) and self.found_inf is None
+
+    @property
+    def found_inf_per_device(self) -> dict[torch.device, torch.Tensor]:
+        if self.pending and self.agree is not None:
+            self.agree()  # the step's one collective, for every optimizer unscaled so far
+        if self.found_inf is not None:
+            return {self.found_inf.device: self.found_inf}
+        return self.local_flags
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "stage":
+            return self.stage
+        if key == "found_inf_per_device":
+            return self.found_inf_per_device
+        raise KeyError(key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "stage":
+            self.stage = value
+        elif key == "found_inf_per_device":
+            self.local_flags, self.found_inf = dict(value), None
+        else:
+            raise KeyError(key)
+
+
+class _StepRecords(dict):  # type: ignore[type-arg]
+    """``id(optimizer) -> OptimizerStep``, creating records on first access (as torch's
+    defaultdict) that reach back to the scaler for the lazy agreement."""
+
+    def __init__(self, scaler: DistributedGradScaler) -> None:
+        super().__init__()
+        self._scaler = weakref.ref(scaler)
+
+    def __missing__(self, key: int) -> OptimizerStep:
+        scaler = self._scaler()
+        record = OptimizerStep(agree=None if scaler is None else scaler._agree)
+        self[key] = record
+        return record
 
 
 class DistributedGradScaler(torch.amp.GradScaler):
     """Drop-in for :class:`torch.amp.GradScaler` that never lets ranks disagree on a skip.
+
+    The canonical loop is torch's, unchanged::
+
+        scaler = distamp.DistributedGradScaler("cuda")
+        for x, y in loader:
+            optimizer.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = loss_fn(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)  # skipped on EVERY rank if any rank saw an inf/NaN
+            scaler.update()
 
     Args:
         device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in
@@ -76,9 +152,13 @@ class DistributedGradScaler(torch.amp.GradScaler):
         min_scale: floor of the scale. An overflow while the scale is already at the floor raises
             :class:`ScaleUnderflowError` (checking this costs one host sync per ``update``, so it is
             off by default).
-        max_scale: ceiling of the scale (growth stops there). ``None``: no ceiling.
-        process_group: the ranks that must agree: a ``ProcessGroup`` or a ``DeviceMesh``. ``None``
-            chooses the mesh of FSDP2 (DTensor) parameters or the default group.
+        max_scale: ceiling of the scale (growth stops there). ``None`` (default): no ceiling, as
+            torch, so the scale follows torch's trajectory.
+        process_group: the ranks that must agree. ``None`` (default): every rank of the job, in
+            one collective over the default group, whatever meshes the parameters live on (data,
+            tensor, pipeline and expert parallelism alike). A ``ProcessGroup`` or ``DeviceMesh``
+            narrows it: right only when those ranks train a model of their own, independent of
+            the other ranks of the job.
         sync_free: ``step()`` never waits for the device: the skip is decided on device, through
             the optimizer's ``found_inf`` argument (fused optimizers) or a masked update.
         check_only: for bf16 and fp32 training, which need no loss scaling: ``scale()`` returns
@@ -90,10 +170,11 @@ class DistributedGradScaler(torch.amp.GradScaler):
             and for fused optimizers; the torch reference's in-place unscale then checks and
             writes in two passes instead of one.
 
-    Collectives: one per ``step`` call that has unreduced flags (explicitly unscaled optimizers are
-    reduced together in that one call); zero when no process group is initialized, and zero for an
-    optimizer whose parameters are all synchronised by a DDP module passed to
-    :meth:`register_module` (its all-reduce already spread any inf to every rank).
+    Collectives: one per iteration that has unreduced flags, whatever the number of optimizers
+    (their flags, and a clipping norm, are packed together when the first of them needs the
+    agreed value); zero when no process group is initialized, and zero for an optimizer whose
+    parameters are all synchronised by a DDP module over the whole agreement group that was
+    passed to :meth:`register_module` (its all-reduce already spread any inf to every rank).
     """
 
     def __init__(
@@ -107,7 +188,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
         *,
         hysteresis: int = 1,
         min_scale: float | None = None,
-        max_scale: float | None = 2.0**24,
+        max_scale: float | None = None,
         process_group: reduction.GroupSpec = None,
         sync_free: bool = False,
         report_overflow: bool = True,
@@ -133,45 +214,38 @@ class DistributedGradScaler(torch.amp.GradScaler):
         super().__init__(
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
         )
-        self._per_optimizer_states = defaultdict(_refresh_state)
+        self._per_optimizer_states = _StepRecords(self)  # type: ignore[assignment]
         self._hysteresis = int(hysteresis)
         self._min_scale = None if min_scale is None else float(min_scale)
         self._max_scale = None if max_scale is None else float(max_scale)
-        self._process_group = process_group
         self._sync_free = sync_free
-        self._init_hysteresis_tracker = self._hysteresis
-        self._init_skipped_steps = 0
-        self._hysteresis_tracker: torch.Tensor | None = None
-        self._skipped: torch.Tensor | None = None
-        self._streak: torch.Tensor | None = None
-        self._last_skipped: torch.Tensor | None = None
-        self._underflow: torch.Tensor | None = None
-        self._reducers: dict[int, reduction.FlagReducer] = {}
-        self._ddp_param_ids: set[int] = set()
-        self._ddp_synced_forward = False
-        self._param_names: dict[int, str] = {}
-        self._shard_groups: dict[int, int] = {}  # FSDP1 parameter id -> its shard group's size
+        self._counters = ScaleState(self._hysteresis)
+        self._topology = Topology(process_group)
         self._overflow = OverflowRecorder() if report_overflow else None
-        self._replica_cache: dict[int, dict[int, int]] = {}  # group size -> param id -> replicas
         self._tracer: NonFiniteTracer | None = None
         self.collectives_issued = 0  # how many found_inf collectives this scaler issued
 
     # ------------------------------------------------------------------ lazily created state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
-        self._hysteresis_tracker = torch.full(
-            (), self._init_hysteresis_tracker, dtype=torch.int32, device=dev
-        )
-        self._skipped = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=dev)
-        self._streak = torch.zeros((), dtype=torch.int64, device=dev)
-        self._last_skipped = torch.zeros((), dtype=torch.bool, device=dev)
-        self._underflow = torch.zeros((), dtype=torch.bool, device=dev)
+        self._counters.create(dev)
+
+    def _home_device(self) -> torch.device:
+        device = torch.device(self._device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._scale is None and self._check_only:
+            # Nothing is ever scaled: a rank that computed no loss (a pipeline stage before the
+            # last) may check and step all the same.
+            self._lazy_init_scale_growth_tracker(self._home_device())
         if self._scale is None or self._growth_tracker is None:
             raise ScalerStateError(
                 f"{funcname}() was called before scale(): call `scaler.scale(loss).backward()` "
-                "first in every iteration, then unscale_/step/update."
+                "first in every iteration, then unscale_/step/update. Pipeline stages that "
+                "compute no loss: build the schedule with `loss_fn=scaler.scaled_loss_fn(...)`."
             )
         return self._scale, self._growth_tracker
 
@@ -187,10 +261,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
             return outputs
         if self._check_only:
             if self._scale is None:
-                device = torch.device(self._device)
-                if device.type == "cuda" and device.index is None:
-                    device = torch.device("cuda", torch.cuda.current_device())
-                self._lazy_init_scale_growth_tracker(device)
+                self._lazy_init_scale_growth_tracker(self._home_device())
             return outputs
         per_device: dict[torch.device, torch.Tensor] = {}
 
@@ -215,48 +286,40 @@ class DistributedGradScaler(torch.amp.GradScaler):
 
         return apply(outputs)
 
-    # ------------------------------------------------------------------ module registration
-    def register_module(self, module: torch.nn.Module) -> None:
-        """Tell the scaler about the model, for parameter names and DDP's guarantee.
+    def scaled_loss_fn(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """Wrap ``loss_fn`` for a ``torch.distributed.pipelining`` schedule: each micro-batch loss
+        is multiplied by the scale, so backward inside the schedule produces scaled gradients on
+        every stage. The schedule's own micro-batch scaling (``scale_grads``) is left as it is.
 
-        For an FSDP1 module it records which parameters are shards, so that
-        :meth:`clip_grad_norm_` counts each element once. For a ``DistributedDataParallel``
-        module, an optimizer whose parameters are all synchronised
-        by it needs no extra collective: DDP's all-reduce already carried any inf/NaN to every rank.
-        The guarantee is re-checked every step: if the last forward ran under ``no_sync()`` (or a
-        parameter is not synchronised by DDP), the flags are reduced as usual.
+        The scale is created now, on this scaler's device, so that stages that never compute a
+        loss can still ``unscale_``/``step``/``update``; every stage then joins the one collective
+        of the step. The losses the schedule returns are scaled: divide by :meth:`get_scale` (or
+        use the unscaled value your ``loss_fn`` logs) for display.
         """
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.nn.parallel import DistributedDataParallel
+        if not callable(loss_fn):
+            raise TypeError(f"scaled_loss_fn() takes a callable loss function, got {loss_fn!r}")
+        if self._enabled and self._scale is None:
+            self._lazy_init_scale_growth_tracker(self._home_device())
 
-        inner = module.module if isinstance(module, DistributedDataParallel) else module
-        for name, p in inner.named_parameters():
-            self._param_names[id(p)] = name
-        if isinstance(module, FullyShardedDataParallel):  # clipping counts each shard once
-            shard = torch.distributed.get_world_size(module.process_group)
-            self._shard_groups.update((id(p), shard) for p in module.parameters())
-            self._replica_cache.clear()
-        if not isinstance(module, DistributedDataParallel):
-            return
-        ignored = set(getattr(module, "parameters_to_ignore", ()))
-        self._ddp_param_ids |= {
-            id(p) for n, p in inner.named_parameters() if p.requires_grad and n not in ignored
-        }
-        ref = weakref.ref(self)
+        def scaled(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return self.scale(loss_fn(*args, **kwargs))  # type: ignore[no-any-return]
 
-        def _record_sync(mod: torch.nn.Module, _args: Any) -> None:
-            scaler = ref()
-            if scaler is not None:
-                scaler._ddp_synced_forward = bool(
-                    getattr(mod, "require_backward_grad_sync", False) and torch.is_grad_enabled()
-                )
+        return scaled
 
-        module.register_forward_pre_hook(_record_sync)
+    # ------------------------------------------------------------------ module registration
+    def register_module(self, module: Any) -> None:
+        """Tell the scaler what holds the parameters: names for reports, copies for norms.
 
-    def _ddp_covers(self, optimizer: torch.optim.Optimizer) -> bool:
-        if not (self._ddp_synced_forward and self._ddp_param_ids):
-            return False
-        return all(id(p) in self._ddp_param_ids for p in _params(optimizer))
+        Accepts a ``DistributedDataParallel`` module (an optimizer whose parameters it all
+        synchronises over the whole job needs no extra collective: its all-reduce already carried
+        any inf/NaN to every rank; inside a pipeline stage its group tells how many ranks hold
+        each element), an FSDP1 module (which parameters are shards), a
+        ``torch.distributed.pipelining`` stage (its plain parameters are replicated over every
+        rank running the same stage), or any module (parameter names). FSDP2, TP and expert
+        parameters need no registration: their DTensor placements say it all. Call it on every
+        rank, like the wrappers themselves; the engine does.
+        """
+        self._topology.register_module(module)
 
     # ------------------------------------------------------------------ unscale / check
     def _unscale_grads_(
@@ -269,28 +332,27 @@ class DistributedGradScaler(torch.amp.GradScaler):
         """Unscale (or, with ``inv_scale`` None, only check) the optimizer's local gradients.
 
         Returns one local flag per device, always including the scale's device, so that a rank
-        whose optimizer holds no gradient (empty shard, frozen parameters) still contributes a
-        flag to the collective instead of skipping it.
+        whose optimizer holds no gradient (empty shard, frozen parameters, a pipeline stage with
+        nothing to train) still contributes a flag to the collective instead of skipping it.
         """
         write = inv_scale is not None
-        per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        owners: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        per_device: dict[torch.device, list[torch.Tensor]] = {}
+        owners: dict[torch.device, list[torch.Tensor]] = {}
         with torch.no_grad():
-            for p in _params(optimizer):
+            for p in optimizer_params(optimizer):
                 grad = p.grad
                 if grad is None:
                     continue
                 if not allow_fp16 and grad.dtype == torch.float16:
                     raise ValueError(FP16_GRADS)
-                if hasattr(grad, "to_local"):  # DTensor (FSDP2): each rank checks its own shard
-                    grad = grad.to_local()
+                grad = local_grad(grad)
                 if grad.is_sparse:
                     if grad.dtype is torch.float16:
                         grad = grad.coalesce()
                         p.grad = grad
                     grad = grad._values()
-                per_device[grad.device].append(grad)
-                owners[grad.device].append(p)
+                per_device.setdefault(grad.device, []).append(grad)
+                owners.setdefault(grad.device, []).append(p)
         flags = {found_inf.device: found_inf}
         for device, grads in per_device.items():
             flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
@@ -305,67 +367,78 @@ class DistributedGradScaler(torch.amp.GradScaler):
             unscale_check_sumsq_(grads, flag, factor, write=write, per_tensor_flags=per_tensor)
         return flags
 
+    def _record(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
+        return self._per_optimizer_states[id(optimizer)]  # type: ignore[return-value]
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale, in place, and record a local flag.
 
-        Call it before anything that reads gradient values (clipping). The flag is reduced across
-        ranks lazily, in the same single collective as every other optimizer unscaled this step,
-        when ``step()`` or ``update()`` first needs it. No host sync.
+        Call it before anything that reads gradient values (clipping). No collective and no host
+        sync here: the flag is agreed across ranks in the step's single collective, together
+        with those of every other optimizer unscaled this iteration, when the value is first
+        needed (``step()``, ``update()``, a clip, or reading ``found_inf_per_device``).
         """
         if not self._enabled:
             return
         scale, _ = self._check_scale_growth_tracker("unscale_")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.UNSCALED:
+        record = self._record(optimizer)
+        if record.stage is OptState.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update() "
                 "(clip_grad_norm_ unscales too): call it once per optimizer step, after the last "
                 "micro-batch's backward."
             )
-        if state["stage"] is OptState.STEPPED:
+        if record.stage is OptState.STEPPED:
             raise RuntimeError(
                 "unscale_() is being called after step(): unscale before stepping, then call "
                 "update() to start the next iteration."
             )
-        self._prepare(optimizer)
+        self._prepare(optimizer, record)
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        state["found_inf_per_device"] = self._unscale_grads_(
+        record.local_flags = self._unscale_grads_(
             optimizer,
             None if self._check_only else _reciprocal(scale),  # check-only: read, never write
             found_inf,
             False,
         )
-        state["found_inf"] = None
-        state["stage"] = OptState.UNSCALED
+        record.found_inf = None
+        record.stage = OptState.UNSCALED
 
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def _check_inf(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
         """Read-only non-finite check for fused optimizers, which unscale inside their kernel."""
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        self._prepare(optimizer)
+        record = self._record(optimizer)
+        self._prepare(optimizer, record)
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = self._unscale_grads_(optimizer, None, found_inf, True)
-        state["found_inf"] = None
-        return state["found_inf_per_device"]
+        record.local_flags = self._unscale_grads_(optimizer, None, found_inf, True)
+        record.found_inf = None
+        return record
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """torch's hook for optimizers that handle scaling themselves; returns the agreed flags."""
+        return self._check_inf(optimizer).found_inf_per_device  # type: ignore[return-value]
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self._record(optimizer).found_inf_per_device  # type: ignore[return-value]
+
+    def _prepare(self, optimizer: torch.optim.Optimizer, record: OptimizerStep) -> None:
+        record.ddp_covered = self._topology.synchronised_by_ddp(optimizer_params(optimizer))
 
     # ------------------------------------------------------------------ the one collective
-    def _pending(self) -> list[tuple[int, dict[str, Any]]]:
-        return [
-            (key, st)
-            for key, st in self._per_optimizer_states.items()
-            if st["found_inf_per_device"] and st["found_inf"] is None
-        ]
+    def _records(self) -> list[OptimizerStep]:
+        return list(self._per_optimizer_states.values())  # type: ignore[arg-type]
 
-    def _reducer_for(self, keys: list[int]) -> reduction.FlagReducer:
-        """The group that must agree for these optimizers; a no-op when DDP covers them all."""
-        need = [k for k in keys if not self._per_optimizer_states[k].get("ddp_covered", False)]
-        reducers = {id(self._reducers[k]): self._reducers[k] for k in need}
-        if len(reducers) == 1:
-            return next(iter(reducers.values()))
-        if not reducers:
+    def _pending(self) -> list[OptimizerStep]:
+        return [r for r in self._records() if r.pending]
+
+    def _reducer_for(self, records: Iterable[OptimizerStep]) -> reduction.FlagReducer:
+        """The job's agreement group; a no-op when DDP already synchronised every optimizer."""
+        if all(r.ddp_covered for r in records):
             return reduction.FlagReducer((), None)
-        # Optimizers on different groups: the default group is a superset of all of them.
-        return reduction.resolve_group(self._process_group or _world(), ())
+        return self._topology.agreement
+
+    def _agree(self) -> None:
+        self._reduce_pending()
 
     def _reduce_pending(
         self,
@@ -383,7 +456,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
         if not pending and extra is None:
             return None
         if reducer is None:
-            reducer = self._reducer_for([key for key, _ in pending])
+            reducer = self._reducer_for(pending)
         scale = getattr(self, "_scale", None)  # torch does not create it when disabled
         scale_device = (
             scale.device
@@ -391,10 +464,8 @@ class DistributedGradScaler(torch.amp.GradScaler):
             else (extra.device if extra is not None else torch.device("cpu"))
         )
         local = []
-        for _, st in pending:
-            flags = [
-                f.to(scale_device, non_blocking=True) for f in st["found_inf_per_device"].values()
-            ]
+        for record in pending:
+            flags = [f.to(scale_device, non_blocking=True) for f in record.local_flags.values()]
             local.append(flags[0] if len(flags) == 1 else torch.stack(flags).amax())
         if not reducer.is_noop:
             self.collectives_issued += len(reducer.groups)
@@ -405,9 +476,8 @@ class DistributedGradScaler(torch.amp.GradScaler):
             # so an inf in one made the others' gradients rank-dependent (clip coefficient 0 on
             # one rank).
             flag = agreed[0] if len(agreed) == 1 else torch.stack(agreed).amax()
-            for _, st in pending:
-                st["found_inf"] = flag
-                st["found_inf_per_device"] = {scale_device: flag}
+            for record in pending:
+                record.found_inf = flag
         return extra
 
     # ------------------------------------------------------------------ clipping
@@ -426,9 +496,10 @@ class DistributedGradScaler(torch.amp.GradScaler):
         the flag and the sum travel in ONE collective (none under a registered DDP module), and
         ``inv_scale * clip_coef`` is applied once: by fused optimizers (``fused=True``) inside
         their own step through ``grad_scale`` (their ``.grad`` then stays scaled), otherwise in
-        one multiply pass. The norm counts every element once whatever holds it: DDP replicas,
-        FSDP1 shards (register the FSDP module with :meth:`register_module`; the engine does),
-        FSDP2/HSDP DTensors. Other ``norm_type`` values unscale first, then reduce likewise.
+        one multiply pass. The norm is the whole job's: every gradient element counts once
+        whatever holds it (DDP replicas, FSDP1 shards registered with :meth:`register_module`,
+        FSDP2/HSDP/TP/expert DTensors, pipeline stages), so every rank of every stage clips with
+        the same coefficient. Other ``norm_type`` values unscale first, then reduce likewise.
         With the scaler disabled it clips (bf16/fp32 training) with the same one collective.
 
         Returns:
@@ -436,78 +507,73 @@ class DistributedGradScaler(torch.amp.GradScaler):
             (no host sync; non-finite when a gradient is, and the step is then skipped).
         """
         max_norm, norm_type = check_clip_args(max_norm, norm_type)
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.STEPPED:
+        record = self._record(optimizer)
+        if record.stage is OptState.STEPPED:
             raise RuntimeError(
                 "clip_grad_norm_() is being called after step(): clip before stepping, then "
                 "call update() to start the next iteration."
             )
-        if state.get("clipped"):
+        if record.clipped:
             raise RuntimeError(
                 "clip_grad_norm_() has already been called on this optimizer since the last "
                 "update(): clip once per optimizer step."
             )
         fused = _is_fused(optimizer)
-        deferred = self._enabled and state["stage"] is OptState.READY and norm_type == 2.0
+        deferred = self._enabled and record.stage is OptState.READY and norm_type == 2.0
         if self._enabled:
             scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
             home = scale.device
-            if state["stage"] is OptState.READY and not deferred:
+            if record.stage is OptState.READY and not deferred:
                 self.unscale_(optimizer)  # p-norms other than 2 read unscaled gradients
         else:
-            scale, home = None, _grad_device(optimizer)
-        self._prepare(optimizer)
+            scale, home = None, grad_device(optimizer_params(optimizer))
+        self._prepare(optimizer, record)
         found_inf = torch.zeros((), dtype=torch.float32, device=home)
         if deferred:
             assert scale is not None
             if not fused:
                 _reject_fp16_grads(optimizer)
             inv_scale = _reciprocal(scale)
-            state["found_inf_per_device"] = {home: found_inf}  # filled by the pass below
-            state["found_inf"] = None
+            record.local_flags = {home: found_inf}  # filled by the pass below
+            record.found_inf = None
         else:  # the gradients are unscaled already (or were never scaled)
             inv_scale = torch.ones((), dtype=torch.float32, device=home)
-        reducer = self._reducer_for([k for k, _ in self._pending()] + [id(optimizer)])
+        pending = self._pending()
+        reducer = self._reducer_for([*pending, record])
         term, grads = local_norm_term(
-            _params(optimizer),
+            optimizer_params(optimizer),
             norm_type=norm_type,
             inv_scale=inv_scale,
             found_inf=found_inf,
-            group_size=reducer.size,
-            shard_groups=self._shard_groups,
+            copies=None if reducer.is_noop else self._topology.copies,
             recorder=self._overflow if deferred else None,  # else unscale_ recorded them
-            replica_cache=self._replica_cache.setdefault(reducer.size, {}),
         )
         op = "max" if norm_type == float("inf") else "sum"
         norm = total_norm(self._reduce_pending(term, op, reducer), norm_type)  # type: ignore[arg-type]
         if self._enabled:  # a skipped step keeps inf as inf (not inf * 0 = nan) for the report
             divisor = clip_divisor(norm, max_norm)
             if deferred and fused and scale is not None:
-                state["grad_scale"] = scale * divisor  # the fused step divides by it
+                record.grad_scale = scale * divisor  # the fused step divides by it
             elif deferred:
                 scale_grads_(grads, inv_scale / divisor)
             elif fused:
-                state["grad_scale"] = divisor  # gradients already unscaled
+                record.grad_scale = divisor  # gradients already unscaled
             else:
                 scale_grads_(grads, divisor.reciprocal())
         else:
             scale_grads_(grads, clip_coefficient(norm, max_norm))
         if deferred:
-            state["stage"] = OptState.UNSCALED
-        state["clipped"] = self._enabled  # a disabled scaler keeps no per-step state
+            record.stage = OptState.UNSCALED
+        record.clipped = self._enabled  # a disabled scaler keeps no per-step state
         if error_if_nonfinite and not bool(torch.isfinite(norm).item()):  # host sync, opt-in
             raise RuntimeError(
                 f"the total norm of order {norm_type} of the gradients is non-finite, so it "
                 "cannot be clipped. With a loss scaler this step is skipped anyway: pass "
                 "error_if_nonfinite=False (the default)."
             )
+        if not self._enabled:
+            self._per_optimizer_states.pop(id(optimizer), None)
         return norm
-
-    def _prepare(self, optimizer: torch.optim.Optimizer) -> None:
-        key = id(optimizer)
-        if key not in self._reducers:
-            self._reducers[key] = reduction.resolve_group(self._process_group, _params(optimizer))
-        self._per_optimizer_states[key]["ddp_covered"] = self._ddp_covers(optimizer)
 
     # ------------------------------------------------------------------ step / update
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -516,38 +582,51 @@ class DistributedGradScaler(torch.amp.GradScaler):
         Returns what ``optimizer.step`` returns, or ``None`` when the step was skipped. Host
         syncs: none for fused optimizers (they take ``found_inf`` on device) or with
         ``sync_free=True``; otherwise one ``.item()`` on the agreed flag to decide whether to call
-        ``optimizer.step`` at all.
+        ``optimizer.step`` at all. A fused optimizer's preset ``grad_scale`` attribute multiplies
+        into the one passed (and is removed afterwards), as with torch's scaler.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         scale, _ = self._check_scale_growth_tracker("step")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.STEPPED:
+        record = self._record(optimizer)
+        if record.stage is OptState.STEPPED:
             raise RuntimeError(
                 "step() has already been called since the last update(): call update() once "
                 "per iteration, after stepping every optimizer."
             )
         fused = _is_fused(optimizer)
         if fused and "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            raise TypeError(
-                f"{type(optimizer).__name__}.step takes the deprecated `grad_scaler` argument; "
-                "DistributedGradScaler passes `grad_scale`/`found_inf` attributes instead."
+            # torch's older protocol: the optimizer asks the scaler itself (through
+            # _check_inf_per_device / _found_inf_per_device, which agree across ranks here).
+            warnings.warn(
+                f"{type(optimizer).__name__}.step takes the deprecated `grad_scaler` argument: "
+                "the scaler passes itself, as torch's does for now; optimizers should read the "
+                "`grad_scale` and `found_inf` attributes the scaler sets instead.",
+                FutureWarning,
+                stacklevel=2,
             )
-        if state["stage"] is OptState.READY:
+            retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            record.stage = OptState.STEPPED
+            return retval
+        if record.stage is OptState.READY:
             if fused:
-                self._check_inf_per_device(optimizer)
+                self._check_inf(optimizer)
             else:
                 self.unscale_(optimizer)
         self._reduce_pending()
-        found_inf = state["found_inf"]
-        if self._last_skipped is not None:
-            self._last_skipped = found_inf > 0
+        found_inf = record.found_inf
+        if found_inf is None:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        if self._counters.ready:
+            self._counters.last_skipped = found_inf > 0
         if fused:
-            optimizer.grad_scale = (  # type: ignore[attr-defined]
-                state.get("grad_scale") if state["stage"] is OptState.UNSCALED else scale
-            )
+            preset = getattr(optimizer, "grad_scale", None)
+            grad_scale = scale if record.stage is OptState.READY else record.grad_scale
+            if preset is not None:
+                grad_scale = preset if grad_scale is None else grad_scale * preset
+            optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
             optimizer.found_inf = found_inf  # type: ignore[attr-defined]
             try:
                 retval = optimizer.step(*args, **kwargs)
@@ -559,7 +638,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
         else:
             # Host sync (one per step): whether optimizer.step runs at all is a Python decision.
             retval = None if found_inf.item() else optimizer.step(*args, **kwargs)
-        state["stage"] = OptState.STEPPED
+        record.stage = OptState.STEPPED
         return retval
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -574,16 +653,12 @@ class DistributedGradScaler(torch.amp.GradScaler):
         scale, tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
             super().update(new_scale)
-            self._per_optimizer_states = defaultdict(_refresh_state)
+            self._new_iteration()
             if self._overflow is not None:
                 self._overflow.discard()
             return
         self._reduce_pending()
-        flags = [
-            st["found_inf"]
-            for st in self._per_optimizer_states.values()
-            if st["found_inf"] is not None
-        ]
+        flags = [r.found_inf for r in self._records() if r.found_inf is not None]
         if not flags:
             raise ScalerStateError(
                 "update() found no inf checks for this iteration: call scaler.step(optimizer) "
@@ -593,25 +668,23 @@ class DistributedGradScaler(torch.amp.GradScaler):
             flags[0] if len(flags) == 1 else torch.stack([f.to(scale.device) for f in flags]).amax()
         )
         found = found_inf > 0
-        assert self._hysteresis_tracker is not None and self._skipped is not None
-        assert self._underflow is not None
+        counters = self._counters
+        assert counters.hysteresis is not None and counters.underflow is not None
         if not self._check_only:  # check-only: the scale stays 1
-            underflow = update_scale_(
-                self._rule(), scale, tracker, self._hysteresis_tracker, found_inf
-            )
+            underflow = update_scale_(self._rule(), scale, tracker, counters.hysteresis, found_inf)
             if underflow is not None:
-                self._underflow |= underflow
-        self._skipped.add_(found)
-        if self._streak is not None:
-            torch.mul(self._streak + 1, found, out=self._streak)  # +1 on a skip, else 0
-        self._last_skipped = found
+                counters.underflow |= underflow
+        counters.record(found)
         if self._overflow is not None:
             self._overflow.commit(found)
         if self._tracer is not None:
             self._tracer.commit(found)
-        self._per_optimizer_states = defaultdict(_refresh_state)
+        self._new_iteration()
         if self._min_scale is not None and not self._sync_free:
             self._raise_if_underflow()  # one host sync, only when min_scale is set
+
+    def _new_iteration(self) -> None:
+        self._per_optimizer_states = _StepRecords(self)  # type: ignore[assignment]
 
     def _rule(self) -> ScaleRule:
         return ScaleRule(
@@ -625,8 +698,9 @@ class DistributedGradScaler(torch.amp.GradScaler):
 
     def _raise_if_underflow(self) -> None:
         # Host sync: reads the on-device underflow flag.
-        if self._underflow is not None and bool(self._underflow.item()):
-            self._underflow.zero_()
+        underflow = self._counters.underflow
+        if underflow is not None and bool(underflow.item()):
+            underflow.zero_()
             raise ScaleUnderflowError(
                 f"the loss scale is at min_scale={self._min_scale} and gradients still overflow. "
                 "Likely causes: NaN/inf in the inputs or the loss itself (check the batch), a "
@@ -643,23 +717,21 @@ class DistributedGradScaler(torch.amp.GradScaler):
     @property
     def last_step_skipped(self) -> torch.Tensor:
         """0-dim bool tensor: whether the last step/update skipped (no host sync to get it)."""
-        if self._last_skipped is None:
-            return torch.zeros((), dtype=torch.bool)
-        return self._last_skipped
+        last = self._counters.last_skipped
+        return torch.zeros((), dtype=torch.bool) if last is None else last
 
     @property
     def skipped_steps(self) -> int:
         """Number of skipped iterations since the start (synced: reads a device counter)."""
         if not self._enabled:
             return 0
-        if self._skipped is None:
-            return self._init_skipped_steps
-        return int(self._skipped.item())  # host sync, on request only
+        return self._counters.skipped_steps()
 
     @property
     def skip_streak(self) -> int:
         """Consecutive skipped iterations up to the last ``update()`` (synced: read on request)."""
-        return 0 if self._streak is None else int(self._streak.item())
+        streak = self._counters.streak
+        return 0 if streak is None else int(streak.item())  # host sync, on request only
 
     def get_scale(self) -> float:
         """The current scale as a Python float (one host sync)."""
@@ -683,9 +755,13 @@ class DistributedGradScaler(torch.amp.GradScaler):
         """
         if not self._enabled or self._overflow is None:
             return None
-        group = self._process_group if _is_process_group(self._process_group) else None
+        group = self._topology.process_group
         return build_report(
-            self._overflow, self._param_names, self._overflow.params(), group, self._tracer
+            self._overflow,
+            self._topology.param_names,
+            self._overflow.params(),
+            group if _is_process_group(group) else None,
+            self._tracer,
         )
 
     # ------------------------------------------------------------------ state
@@ -696,14 +772,9 @@ class DistributedGradScaler(torch.amp.GradScaler):
         sd = super().state_dict()
         sd.update(
             hysteresis=self._hysteresis,
-            _hysteresis_tracker=(
-                self._init_hysteresis_tracker
-                if self._hysteresis_tracker is None
-                else int(self._hysteresis_tracker.item())
-            ),
             min_scale=self._min_scale,
             max_scale=self._max_scale,
-            skipped_steps=self.skipped_steps,
+            **self._counters.state_dict(),
         )
         return sd
 
@@ -718,44 +789,25 @@ class DistributedGradScaler(torch.amp.GradScaler):
         sd = validate_state_dict(state_dict, default_hysteresis=self._hysteresis)
         super().load_state_dict(sd)
         self._hysteresis = int(sd["hysteresis"])
-        self._init_hysteresis_tracker = int(sd["_hysteresis_tracker"])
-        self._init_skipped_steps = int(sd["skipped_steps"])
+        self._counters.load(sd["_hysteresis_tracker"], sd["skipped_steps"])
         for key in ("min_scale", "max_scale"):
             if key in state_dict:
                 setattr(self, f"_{key}", None if sd[key] is None else float(sd[key]))
-        if self._hysteresis_tracker is not None and self._skipped is not None:
-            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
-            self._skipped.fill_(self._init_skipped_steps)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         if self._enabled:
-            state["_init_hysteresis_tracker"] = self.state_dict()["_hysteresis_tracker"]
-            state["_init_skipped_steps"] = self.skipped_steps
-            for key in (
-                "_hysteresis_tracker",
-                "_skipped",
-                "_streak",
-                "_last_skipped",
-                "_underflow",
-            ):
-                state[key] = None
+            state["_counters"] = self._counters.detached()
         # Process groups and module hooks do not survive pickling; they are re-resolved lazily.
-        state["_process_group"] = None
-        state["_reducers"] = {}
-        state["_ddp_param_ids"] = set()
-        state["_ddp_synced_forward"] = False
-        state["_param_names"] = {}
-        state["_shard_groups"] = {}
-        state["_replica_cache"] = {}
+        state["_topology"] = Topology()
+        state["_per_optimizer_states"] = None
         state["_overflow"] = None if self._overflow is None else OverflowRecorder()
         state["_tracer"] = None
         return state
 
-
-def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    for group in optimizer.param_groups:
-        yield from group["params"]
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._per_optimizer_states = _StepRecords(self)  # type: ignore[assignment]
 
 
 def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -768,23 +820,11 @@ def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return scale.double().reciprocal().float() if scale.device.type != "mps" else scale.reciprocal()
 
 
-def _grad_device(optimizer: torch.optim.Optimizer) -> torch.device:
-    for p in _params(optimizer):
-        if p.grad is not None:
-            return p.grad.device
-    return torch.device("cpu")
-
-
 def _reject_fp16_grads(optimizer: torch.optim.Optimizer) -> None:
-    if any(p.grad is not None and p.grad.dtype == torch.float16 for p in _params(optimizer)):
+    params = optimizer_params(optimizer)
+    if any(p.grad is not None and p.grad.dtype == torch.float16 for p in params):
         raise ValueError(FP16_GRADS)
 
 
 def _is_process_group(group: Any) -> bool:
     return group is not None and isinstance(group, torch.distributed.ProcessGroup)
-
-
-def _world() -> Any:
-    import torch.distributed as dist
-
-    return dist.group.WORLD

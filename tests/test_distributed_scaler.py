@@ -123,3 +123,56 @@ def test_torch_failure_regressions() -> None:
             if "error" in results[0]:
                 raise AssertionError(results[0]["error"])
             _check_consistent(results, sc)
+
+
+def _explicit_unscale_fsdp2(rank: int, world: int) -> dict[str, Any]:
+    """FSDP2, two optimizers unscaled explicitly, inf in rank 1's shard of the first one."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from distamp import DistributedGradScaler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    opts = [torch.optim.Adam(layer.parameters(), lr=1e-2) for layer in model]
+    scaler = DistributedGradScaler("cpu", init_scale=2.0)
+    scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+    if rank == 1:
+        model[0].weight.grad.to_local()[0, 0] = float("inf")
+    before = scaler.collectives_issued
+    for opt in opts:
+        scaler.unscale_(opt)
+    unscaled = scaler.collectives_issued - before
+    seen = [
+        [float(v) for v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()]
+        for opt in opts
+    ]
+    stages = [scaler._per_optimizer_states[id(opt)]["stage"].name for opt in opts]
+    for opt in opts:
+        scaler.step(opt)
+    scaler.update()
+    return {
+        "unscale_collectives": unscaled,
+        "collectives": scaler.collectives_issued - before,
+        "found_inf_per_device": seen,
+        "stages": stages,
+        "scale": scaler.get_scale(),
+    }
+
+
+def test_explicit_unscale_leaves_the_agreed_flag_for_readers() -> None:
+    """torch's FSDP2 contract: after ``unscale_``, ``found_inf_per_device`` holds the agreed value
+    on every rank. Here it is agreed lazily, on that read, so two optimizers unscaled
+    explicitly still cost ONE collective for the whole step."""
+    results = run_ranks(_explicit_unscale_fsdp2, 2, timeout=120)
+    for res in results:
+        assert res["unscale_collectives"] == 0
+        assert res["found_inf_per_device"] == [[1.0], [1.0]]  # both: they are skipped together
+        assert res["stages"] == ["UNSCALED", "UNSCALED"]
+        assert res["collectives"] == 1
+        assert res["scale"] == 1.0  # backed off from 2 on both ranks

@@ -38,6 +38,7 @@ __all__ = [
     "apply_strategy",
     "gradient_sync_disabled",
     "hsdp_mesh",
+    "is_parallelised",
     "rebuild_optimizer",
     "register_comm_hook",
     "resolve_strategy",
@@ -47,14 +48,32 @@ STRATEGIES: tuple[str, ...] = ("auto", "none", "ddp", "fsdp", "fsdp2", "hsdp")
 SHARDED: tuple[str, ...] = ("fsdp", "fsdp2", "hsdp")
 
 
-def resolve_strategy(strategy: str, world_size: int) -> str:
-    """Turn ``"auto"`` into a concrete strategy: DDP with more than one rank, else none.
+def is_parallelised(model: nn.Module) -> bool:
+    """Whether the user already parallelised ``model``: a DDP or FSDP1 wrapper, an FSDP2 module,
+    or DTensor parameters (tensor, expert or data parallelism applied by hand)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)):
+        return True
+    return any(hasattr(p, "placements") for p in model.parameters())
+
+
+def resolve_strategy(strategy: str, world_size: int, *, parallelised: bool = False) -> str:
+    """Turn ``"auto"`` into a concrete strategy: nothing for a model the user already
+    parallelised (or for one rank), else DDP.
 
     Auto never picks FSDP: sharding changes what the optimizer and checkpoints hold, which is a
-    choice the user should make knowingly.
+    choice the user should make knowingly. An explicit strategy on a parallelised model raises
+    ``ValueError``: wrapping twice would reduce gradients twice.
     """
+    if parallelised and strategy not in ("auto", "none"):
+        raise ValueError(
+            f"strategy={strategy!r}, but the model is already parallelised (DDP/FSDP wrapper or "
+            "DTensor parameters): pass strategy='auto' or 'none' so it is not wrapped again"
+        )
     if strategy == "auto":
-        return "ddp" if world_size > 1 else "none"
+        return "ddp" if world_size > 1 and not parallelised else "none"
     return strategy
 
 

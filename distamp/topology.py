@@ -1,0 +1,304 @@
+"""The job's layout, as the scaler and clipping need it: who must agree, and who holds what.
+
+Two questions, asked every step, have one owner here:
+
+- **Which ranks must agree on the skip.** By default *every rank of the job* (the default group):
+  a pipeline stage that steps while another skips is a diverged model even though no gradient
+  crosses between the stages, and the meshes the parameters live on (a stage's data-parallel
+  sub-mesh, an expert mesh) say nothing about which other ranks hold the rest of the model. An
+  explicit ``ProcessGroup`` or ``DeviceMesh`` narrows the agreement, which is right only for
+  independent models trained side by side in one job.
+- **How many ranks of that group hold each gradient element**, so that a sum of squares
+  SUM-reduced over the group counts every element exactly once (each rank weights a gradient
+  by ``1 / copies``). The answer comes from what holds the parameter:
+
+  ============================== ============================================================
+  DTensor (FSDP2, HSDP, TP, EP)  ranks of its mesh whose coordinates match this rank's on every
+                                 non-``Replicate`` dimension (Shard, strided shard, Partial),
+                                 counted inside the agreement group; ranks outside the mesh hold
+                                 other parameters (other pipeline stages)
+  DDP module (registered)        the ranks of DDP's process group
+  FSDP1 module (registered)      this rank alone for sharded strategies; the replicate group
+                                 for hybrid ones; the whole process group for ``NO_SHARD``
+  pipeline stage (registered)    ``group size / pipeline size``: a stage's plain parameters are
+                                 replicated over every rank that runs the same stage
+  anything else                  every rank of the agreement group (replicated by construction)
+  ============================== ============================================================
+
+It also records what a wrapper has already synchronised: a DDP module whose group spans the
+agreement group has spread any inf/NaN through its all-reduce, so its optimizer needs no flag
+collective at all.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distamp.reduction import FlagReducer, GroupSpec
+
+__all__ = [
+    "Topology",
+    "grad_device",
+    "is_distributed",
+    "is_pipeline_stage",
+    "local_grad",
+    "optimizer_params",
+]
+
+_NOOP = FlagReducer((), None)
+
+
+def is_distributed() -> bool:
+    """Whether a torch.distributed default group is up."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Every parameter of every group of ``optimizer``, in order."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def local_grad(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient: the local shard of a DTensor, the tensor itself otherwise.
+
+    Each rank checks and sums only what it holds; :class:`Topology` says how often the same
+    elements occur on other ranks.
+    """
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad
+
+
+def grad_device(params: Iterable[torch.Tensor]) -> torch.device:
+    """The device of the first local gradient among ``params`` (CPU when none has one)."""
+    for p in params:
+        if p.grad is not None:
+            return local_grad(p.grad).device
+    return torch.device("cpu")
+
+
+def _device_mesh_type() -> type | None:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return None
+    return DeviceMesh
+
+
+def _mesh_reducer(mesh: Any) -> FlagReducer:
+    world = dist.get_world_size()
+    if mesh.size() == 1:
+        return _NOOP
+    ranks = frozenset(int(r) for r in mesh.mesh.flatten().tolist())
+    if mesh.size() == world:
+        # The mesh spans every rank: the default group reaches the same ranks with one call.
+        return FlagReducer((dist.group.WORLD,), dist.get_backend(), None)
+    if mesh.ndim == 1:
+        group = mesh.get_group()
+        return FlagReducer((group,), dist.get_backend(group), ranks)
+    # A partial N-D mesh, reduced dimension by dimension (MAX and SUM are associative).
+    groups = tuple(mesh.get_group(d) for d in range(mesh.ndim))
+    return FlagReducer(groups, dist.get_backend(groups[0]), ranks)
+
+
+def agreement_group(process_group: GroupSpec) -> FlagReducer:
+    """The ranks whose flags must agree, as a :class:`FlagReducer`.
+
+    ``None``: the whole job (one collective over the default group); a no-op without a process
+    group or with a world of one. A ``DeviceMesh`` or ``ProcessGroup``: those ranks only.
+    """
+    if not is_distributed():
+        return _NOOP
+    if process_group is None:
+        if dist.get_world_size() == 1:
+            return _NOOP
+        return FlagReducer((dist.group.WORLD,), dist.get_backend(), None)
+    mesh_type = _device_mesh_type()
+    if mesh_type is not None and isinstance(process_group, mesh_type):
+        return _mesh_reducer(process_group)
+    if dist.get_world_size(process_group) == 1:
+        return _NOOP
+    ranks = frozenset(dist.get_process_group_ranks(process_group))
+    if len(ranks) == dist.get_world_size():
+        return FlagReducer((process_group,), dist.get_backend(process_group), None)
+    return FlagReducer((process_group,), dist.get_backend(process_group), ranks)
+
+
+def _within(ranks: Iterable[int], agreeing: frozenset[int] | None) -> int:
+    return sum(1 for r in ranks if agreeing is None or r in agreeing)
+
+
+def _dtensor_copies(param: Any, agreeing: frozenset[int] | None) -> int:
+    """Ranks of the agreement group holding the same local elements as this rank's shard."""
+    mesh = param.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:  # not part of the mesh: this rank holds nothing of it
+        return 1
+    grid = mesh.mesh
+    index: list[Any] = [
+        slice(None) if placement.is_replicate() else coord[dim]
+        for dim, placement in enumerate(param.placements)
+    ]
+    return max(1, _within(grid[tuple(index)].flatten().tolist(), agreeing))
+
+
+class Topology:
+    """Who must agree and how many copies of each gradient element exist (see module doc).
+
+    Args:
+        process_group: the scaler's ``process_group``: ``None`` (the whole job), a
+            ``ProcessGroup`` or a ``DeviceMesh``.
+    """
+
+    def __init__(self, process_group: GroupSpec = None) -> None:
+        self.process_group = process_group
+        self._agreement: FlagReducer | None = None
+        # What registered wrappers tell: parameter id -> the ranks holding its elements (None:
+        # every rank of the agreement group), or a divisor of the group size (pipeline stages).
+        self._holders: dict[int, tuple[int, ...]] = {}
+        self._stage_divisor: dict[int, int] = {}
+        self._ddp_params: dict[int, tuple[int, ...]] = {}  # synced by DDP over these ranks
+        self._ddp_synced_forward = False
+        self._copies: dict[int, int] = {}
+        self.param_names: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ agreement
+    @property
+    def agreement(self) -> FlagReducer:
+        """The reducer every flag and norm collective of a step goes through (resolved once)."""
+        if self._agreement is None:
+            self._agreement = agreement_group(self.process_group)
+        return self._agreement
+
+    def reset(self) -> None:
+        """Forget what was resolved against live process groups (after unpickling)."""
+        self.process_group = None
+        self._agreement = None
+        self._holders.clear()
+        self._stage_divisor.clear()
+        self._ddp_params.clear()
+        self._ddp_synced_forward = False
+        self._copies.clear()
+        self.param_names.clear()
+
+    # ------------------------------------------------------------------ registration
+    def register_module(self, module: Any) -> None:
+        """Record what ``module`` says about its parameters (see :class:`DistributedGradScaler`'s
+        ``register_module``)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.nn.parallel import DistributedDataParallel
+
+        stage_group = None
+        if is_pipeline_stage(module):
+            stage_group = module.group
+            module = module.submod
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                "register_module() takes an nn.Module (DDP, FSDP, a plain module) or a "
+                f"torch.distributed.pipelining stage, got {type(module).__name__}"
+            )
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        for name, p in inner.named_parameters():
+            self.param_names[id(p)] = name
+        self._copies.clear()
+        if stage_group is not None and is_distributed():
+            size = dist.get_world_size(stage_group)
+            self._stage_divisor.update((id(p), size) for p in inner.parameters())
+        if isinstance(module, FullyShardedDataParallel):
+            self._register_fsdp1(module)
+        elif isinstance(module, DistributedDataParallel):
+            self._register_ddp(module, inner)
+
+    def _register_fsdp1(self, module: Any) -> None:
+        from torch.distributed.fsdp import ShardingStrategy
+
+        # FSDP1 keeps its sharding strategy and groups as instance attributes (torch 2.4 - 2.13);
+        # there is no public accessor.
+        strategy = getattr(module, "sharding_strategy", ShardingStrategy.FULL_SHARD)
+        if strategy == ShardingStrategy.NO_SHARD:
+            holders = tuple(dist.get_process_group_ranks(module.process_group))
+        elif strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+            holders = tuple(dist.get_process_group_ranks(module._inter_node_pg))
+        else:
+            holders = (dist.get_rank(),)
+        self._holders.update((id(p), holders) for p in module.parameters())
+
+    def _register_ddp(self, module: Any, inner: nn.Module) -> None:
+        ranks = tuple(dist.get_process_group_ranks(module.process_group))
+        ignored = set(getattr(module, "parameters_to_ignore", ()))
+        for n, p in inner.named_parameters():
+            self._holders[id(p)] = ranks
+            if p.requires_grad and n not in ignored:
+                self._ddp_params[id(p)] = ranks
+        ref = weakref.ref(self)
+
+        def _record_sync(mod: nn.Module, _args: Any) -> None:
+            topo = ref()
+            if topo is not None:
+                topo._ddp_synced_forward = bool(
+                    getattr(mod, "require_backward_grad_sync", False) and torch.is_grad_enabled()
+                )
+
+        module.register_forward_pre_hook(_record_sync)
+
+    # ------------------------------------------------------------------ questions
+    def synchronised_by_ddp(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether DDP's last all-reduce already carried any inf/NaN of ``params`` to every rank
+        of the agreement group (then the flags need no collective of their own).
+
+        Re-checked every step: a forward under ``no_sync()`` or a parameter DDP does not
+        synchronise (or a DDP group narrower than the agreement, as inside a pipeline stage)
+        means the flags are reduced as usual.
+        """
+        if not (self._ddp_synced_forward and self._ddp_params):
+            return False
+        reducer = self.agreement
+        need = (
+            len(reducer.ranks)
+            if reducer.ranks is not None
+            else (dist.get_world_size() if is_distributed() else 1)
+        )
+        for p in params:
+            ranks = self._ddp_params.get(id(p))
+            if ranks is None or _within(ranks, reducer.ranks) < need:
+                return False
+        return True
+
+    def copies(self, param: torch.Tensor) -> int:
+        """How many ranks of the agreement group hold ``param``'s local gradient elements
+        (1 when no collective runs). Cached per parameter."""
+        key = id(param)
+        n = self._copies.get(key)
+        if n is None:
+            n = self._count(param)
+            self._copies[key] = n
+        return n
+
+    def _count(self, param: torch.Tensor) -> int:
+        reducer = self.agreement
+        if reducer.is_noop:
+            return 1
+        agreeing = reducer.ranks
+        if getattr(param, "placements", None) is not None and hasattr(param, "device_mesh"):
+            return _dtensor_copies(param, agreeing)
+        holders = self._holders.get(id(param))
+        if holders is not None:
+            return max(1, _within(holders, agreeing))
+        size = len(agreeing) if agreeing is not None else dist.get_world_size()
+        divisor = self._stage_divisor.get(id(param), 1)
+        return max(1, size // divisor)
+
+
+def is_pipeline_stage(obj: Any) -> bool:
+    """Whether ``obj`` is a ``torch.distributed.pipelining`` stage (it holds ``submod``)."""
+    try:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+    except ImportError:  # pragma: no cover - torch builds without pipelining
+        return False
+    return isinstance(obj, _PipelineStageBase)
