@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.topology import local_grad
+
 __all__ = [
     "NonFiniteTracer",
     "OverflowEntry",
@@ -101,21 +103,45 @@ class OverflowRecorder:
     optimizer and device), so the kept flags line up with parameters across iterations.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, lazy_on_cpu: bool = True) -> None:
+        self._lazy_on_cpu = lazy_on_cpu
         self._current: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
         self._kept: dict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
         self._iteration: torch.Tensor | None = None
         self._last_skip: torch.Tensor | None = None
+        self._lazy: list[tuple[torch.Tensor, ...]] = []
 
-    def new_flags(self, params: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """A zeroed float32 flag per parameter, filled by the unscale pass (no host sync)."""
+    def new_flags(
+        self, params: Sequence[torch.Tensor], device: torch.device
+    ) -> torch.Tensor | None:
+        """A zeroed float32 flag per parameter, filled by the unscale pass (no host sync).
+
+        ``None`` on the CPU: there the decision is readable on the host for free, so the flags
+        are computed at ``commit`` only for a skipped step, from the gradients themselves (they
+        still hold their inf/NaN: unscaling keeps them, and a skipped step does not touch them);
+        a per-tensor check at every step would cost the torch reference one op per gradient.
+        Not with ``lazy_on_cpu=False`` (sync-free scalers: no host read at all, e.g. under
+        ``torch.compile``).
+        """
+        if device.type == "cpu" and self._lazy_on_cpu:
+            self._lazy.append(tuple(params))
+            return None
         flags = torch.zeros(len(params), dtype=torch.float32, device=device)
         self._current.append((tuple(params), flags))
         return flags
 
+    def _materialise_lazy(self, found: torch.Tensor) -> None:
+        lazy, self._lazy = self._lazy, []
+        if not lazy or not bool(found.item()):  # a CPU tensor: no device to wait for
+            return
+        for params in lazy:
+            hits = [p.grad is not None and not _all_finite(p.grad) for p in params]
+            self._current.append((params, torch.tensor(hits, dtype=torch.float32)))
+
     def discard(self) -> None:
         """Forget the current iteration's flags (``update(new_scale)`` and the like)."""
         self._current = []
+        self._lazy = []
 
     def commit(self, found: torch.Tensor) -> None:
         """At ``update()``: keep this iteration's flags where the agreed ``found`` is set."""
@@ -123,6 +149,8 @@ class OverflowRecorder:
             self._iteration = torch.zeros((), dtype=torch.int64, device=found.device)
             self._last_skip = torch.full((), -1, dtype=torch.int64, device=found.device)
         assert self._last_skip is not None
+        if self._lazy:
+            self._materialise_lazy(found)
         torch.where(found, self._iteration, self._last_skip, out=self._last_skip)
         fresh = set()
         for params, flags in self._current:
@@ -162,11 +190,18 @@ class OverflowRecorder:
         return step, out
 
 
+def _all_finite(grad: torch.Tensor) -> bool:
+    local = local_grad(grad)
+    if local.is_sparse:
+        local = local.coalesce()._values()
+    return bool(torch.isfinite(local).all())  # host read: called for a skipped step only
+
+
 def _kind(param: torch.Tensor) -> str:
     grad = param.grad
     if grad is None:
         return "non-finite"
-    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    local = local_grad(grad)
     if local.is_sparse:
         local = local.coalesce().values()
     has_nan = bool(torch.isnan(local).any())
@@ -239,7 +274,7 @@ def _largest_norms(
     for i, p in enumerate(params):
         if p.grad is None or p.grad.is_sparse:
             continue
-        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        local = local_grad(p.grad)
         if local.numel():
             grads.append((names.get(id(p), f"param[{i}]"), local))
     if not grads:

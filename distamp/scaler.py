@@ -28,6 +28,7 @@ from torch.amp.grad_scaler import OptState
 
 from distamp import reduction
 from distamp.clipping import (
+    SPARSE_CLIP,
     check_clip_args,
     clip_coefficient,
     clip_divisor,
@@ -36,20 +37,15 @@ from distamp.clipping import (
     total_norm,
 )
 from distamp.diagnostics import NonFiniteTracer, OverflowRecorder, OverflowReport, build_report
+from distamp.grad_groups import FP16_GRADS, GradPlans
 from distamp.kernels import unscale_check_sumsq_
 from distamp.scale_state import ScaleState
 from distamp.scale_update import ScaleRule, update_scale_
 from distamp.scaler_config import check_device, check_scaler_args, validate_state_dict
 from distamp.sync_free import masked_step
-from distamp.topology import Topology, grad_device, local_grad, optimizer_params
+from distamp.topology import Topology, grad_device, optimizer_params
 
 __all__ = ["DistributedGradScaler", "OptimizerStep", "ScaleUnderflowError", "ScalerStateError"]
-
-
-FP16_GRADS = (
-    "Attempting to unscale FP16 gradients: the parameters themselves are fp16. Keep parameters "
-    "in fp32 and let autocast cast them per op (or use precision='bf16', which needs no scaler)."
-)
 
 
 class ScaleUnderflowError(RuntimeError):
@@ -221,7 +217,8 @@ class DistributedGradScaler(torch.amp.GradScaler):
         self._sync_free = sync_free
         self._counters = ScaleState(self._hysteresis)
         self._topology = Topology(process_group)
-        self._overflow = OverflowRecorder() if report_overflow else None
+        self._plans = GradPlans()
+        self._overflow = OverflowRecorder(lazy_on_cpu=not sync_free) if report_overflow else None
         self._tracer: NonFiniteTracer | None = None
         self.collectives_issued = 0  # how many found_inf collectives this scaler issued
 
@@ -336,35 +333,26 @@ class DistributedGradScaler(torch.amp.GradScaler):
         nothing to train) still contributes a flag to the collective instead of skipping it.
         """
         write = inv_scale is not None
-        per_device: dict[torch.device, list[torch.Tensor]] = {}
-        owners: dict[torch.device, list[torch.Tensor]] = {}
         with torch.no_grad():
-            for p in optimizer_params(optimizer):
-                grad = p.grad
-                if grad is None:
-                    continue
-                if not allow_fp16 and grad.dtype == torch.float16:
-                    raise ValueError(FP16_GRADS)
-                grad = local_grad(grad)
-                if grad.is_sparse:
-                    if grad.dtype is torch.float16:
-                        grad = grad.coalesce()
-                        p.grad = grad
-                    grad = grad._values()
-                per_device.setdefault(grad.device, []).append(grad)
-                owners.setdefault(grad.device, []).append(p)
+            groups = self._plans.for_optimizer(optimizer).groups(allow_fp16=allow_fp16)
         flags = {found_inf.device: found_inf}
-        for device, grads in per_device.items():
+        factors: dict[torch.device, torch.Tensor] = {}
+        for group in groups:
+            device = group.device
             flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
-            factor = (
-                inv_scale.to(device, non_blocking=True)
-                if inv_scale is not None
-                else torch.ones((), dtype=torch.float32, device=device)
-            )
+            factor = factors.get(device)
+            if factor is None:
+                factor = factors[device] = (
+                    inv_scale.to(device, non_blocking=True)
+                    if inv_scale is not None
+                    else torch.ones((), dtype=torch.float32, device=device)
+                )
             per_tensor = (
-                None if self._overflow is None else self._overflow.new_flags(owners[device], device)
+                None if self._overflow is None else self._overflow.new_flags(group.params, device)
             )
-            unscale_check_sumsq_(grads, flag, factor, write=write, per_tensor_flags=per_tensor)
+            unscale_check_sumsq_(
+                group.grads, flag, factor, write=write, per_tensor_flags=per_tensor, grouped=True
+            )
         return flags
 
     def _record(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
@@ -540,8 +528,9 @@ class DistributedGradScaler(torch.amp.GradScaler):
             inv_scale = torch.ones((), dtype=torch.float32, device=home)
         pending = self._pending()
         reducer = self._reducer_for([*pending, record])
-        term, grads = local_norm_term(
-            optimizer_params(optimizer),
+        groups = self._plans.for_optimizer(optimizer).groups(sparse_error=SPARSE_CLIP)
+        term = local_norm_term(
+            groups,
             norm_type=norm_type,
             inv_scale=inv_scale,
             found_inf=found_inf,
@@ -555,13 +544,13 @@ class DistributedGradScaler(torch.amp.GradScaler):
             if deferred and fused and scale is not None:
                 record.grad_scale = scale * divisor  # the fused step divides by it
             elif deferred:
-                scale_grads_(grads, inv_scale / divisor)
+                scale_grads_(groups, inv_scale / divisor)
             elif fused:
                 record.grad_scale = divisor  # gradients already unscaled
             else:
-                scale_grads_(grads, divisor.reciprocal())
+                scale_grads_(groups, divisor.reciprocal())
         else:
-            scale_grads_(grads, clip_coefficient(norm, max_norm))
+            scale_grads_(groups, clip_coefficient(norm, max_norm))
         if deferred:
             record.stage = OptState.UNSCALED
         record.clipped = self._enabled  # a disabled scaler keeps no per-step state
@@ -800,14 +789,18 @@ class DistributedGradScaler(torch.amp.GradScaler):
             state["_counters"] = self._counters.detached()
         # Process groups and module hooks do not survive pickling; they are re-resolved lazily.
         state["_topology"] = Topology()
+        state["_plans"] = None
         state["_per_optimizer_states"] = None
-        state["_overflow"] = None if self._overflow is None else OverflowRecorder()
+        state["_overflow"] = (
+            None if self._overflow is None else OverflowRecorder(lazy_on_cpu=not self._sync_free)
+        )
         state["_tracer"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._per_optimizer_states = _StepRecords(self)  # type: ignore[assignment]
+        self._plans = GradPlans()
 
 
 def _is_fused(optimizer: torch.optim.Optimizer) -> bool:

@@ -130,6 +130,7 @@ def _run(
     per_tensor_flags: torch.Tensor | None,
     sumsq_dtype: torch.dtype,
     backend: str,
+    grouped: bool = False,
 ) -> torch.Tensor | None:
     def triton_(strict: bool) -> torch.Tensor | None:
         mod = _load_triton()
@@ -163,6 +164,7 @@ def _run(
         compute_sumsq=compute_sumsq,
         per_tensor_flags=per_tensor_flags,
         sumsq_dtype=sumsq_dtype,
+        grouped=grouped,
     )
 
 
@@ -209,6 +211,7 @@ def unscale_check_sumsq_(
     per_tensor_flags: torch.Tensor | None = None,
     sumsq_dtype: torch.dtype = torch.float32,
     backend: str | None = None,
+    grouped: bool = False,
 ) -> torch.Tensor | None:
     """Check gradients for inf/NaN, optionally unscale them in place and sum their squares.
 
@@ -232,6 +235,9 @@ def unscale_check_sumsq_(
         sumsq_dtype: dtype of the returned sum: float32, or float64 to keep sums beyond fp32's
             range (a gradient norm above ~1.8e19) finite. Partials are combined in fp64 either way.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``; ``None`` uses :func:`get_default_backend`.
+        grouped: the caller guarantees that every gradient has one floating dtype and lives on
+            ``found_inf``'s device, so the torch backend skips its own grouping pass (~0.2 ms
+            for 400 tensors on CPU, more than the check itself).
 
     Returns:
         The 0-dim sum of squares when ``compute_sumsq`` (non-finite when a gradient is), else None.
@@ -256,7 +262,15 @@ def unscale_check_sumsq_(
         )
         return out if compute_sumsq else None
     return _run(
-        grads, found_inf, inv_scale, write, compute_sumsq, per_tensor_flags, sumsq_dtype, resolved
+        grads,
+        found_inf,
+        inv_scale,
+        write,
+        compute_sumsq,
+        per_tensor_flags,
+        sumsq_dtype,
+        resolved,
+        grouped,
     )
 
 

@@ -114,6 +114,15 @@ def _flags_and_norms(
     return bad, torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).to(torch.float64)
 
 
+def _cpu_sumsq(group: list[torch.Tensor]) -> torch.Tensor:
+    """The fp64 sum of squares of a CPU group (fp32 norms; 16-bit ones in pieces)."""
+    if group[0].dtype in _LOW_PRECISION:
+        norms = torch._foreach_norm(_cpu_pieces(group), 2, dtype=torch.float32)
+    else:
+        norms = torch._foreach_norm(group, 2)
+    return torch.stack(norms).to(torch.float64).square().sum()
+
+
 def _cpu_pieces(group: list[torch.Tensor]) -> list[torch.Tensor]:
     """``group`` with each large contiguous tensor split into views of ``_CPU_PIECE`` elements.
 
@@ -166,22 +175,41 @@ def reference_subset_(
     write: bool,
     compute_sumsq: bool,
     per_tensor_flags: torch.Tensor | None,
+    grouped: bool = False,
 ) -> torch.Tensor | None:
     """The reference on a subset of a call's gradients; ``slots[i]`` is ``grads[i]``'s flag entry.
 
     The Triton launcher hands the tensors it does not take (non-dense, other dtypes) to this
-    function, so both backends share one implementation of the remainder.
+    function, so both backends share one implementation of the remainder. ``grouped``: the caller
+    guarantees one floating dtype on ``found_inf``'s device (the scaler groups them so already),
+    which saves a Python pass over the list.
 
     Returns:
         The float64 0-dim sum of squares of the unscaled gradients when ``compute_sumsq``.
     """
     device = found_inf.device
     total = torch.zeros((), dtype=torch.float64, device=device) if compute_sumsq else None
-    for dtype, (group, where) in _groups(grads, slots, device).items():
+    groups = (
+        ({grads[0].dtype: (list(grads), list(slots))} if grads else {})
+        if grouped
+        else _groups(grads, slots, device)
+    )
+    for dtype, (group, where) in groups.items():
         amp_ok = _supported(_amp_support, "amp", device, dtype)
         if write and amp_ok and not compute_sumsq and per_tensor_flags is None:
             # One read-write pass: check and unscale together, exactly torch's GradScaler.
             torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+            continue
+        if amp_ok and per_tensor_flags is None and _norm_strategy(device, dtype) == "cpu":
+            # CPU: torch's check-and-unscale op is one call for the whole list, where a per-tensor
+            # aminmax is one call per tensor: 0.37 vs 3.9 ms for 400 fp32 tensors of 1K elements,
+            # and on par (8.9 vs 9.0 ms) at 100 x 200K (torch 2.13, 1 thread). A check that must
+            # not change the gradients multiplies by exactly 1 (bitwise the same values).
+            if total is not None:
+                unscale = inv_scale.to(torch.float64).reshape(())
+                total = total + _cpu_sumsq(group) * unscale.square()
+            factor = inv_scale if write else torch.ones((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, factor)
             continue
         bad, norms = _flags_and_norms(group, compute_sumsq)  # of the scaled values, pre-write
         found_inf.copy_(torch.maximum(found_inf, bad.any().to(torch.float32)))
@@ -214,6 +242,7 @@ def unscale_check_sumsq_torch_(
     compute_sumsq: bool = False,
     per_tensor_flags: torch.Tensor | None = None,
     sumsq_dtype: torch.dtype = torch.float32,
+    grouped: bool = False,
 ) -> torch.Tensor | None:
     """The "torch" backend of :func:`distamp.kernels.unscale_check_sumsq_` (same arguments).
 
@@ -227,6 +256,7 @@ def unscale_check_sumsq_torch_(
         write=write,
         compute_sumsq=compute_sumsq,
         per_tensor_flags=per_tensor_flags,
+        grouped=grouped,
     )
     return None if total is None else total.to(sumsq_dtype)
 

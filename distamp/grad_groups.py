@@ -1,0 +1,126 @@
+"""An optimizer's gradients grouped by (device, dtype), with the per-step Python work cached.
+
+Every step the scaler walks the optimizer's gradients to hand them to the multi-tensor kernels,
+one call per (device, dtype). Written as a Python loop that asks each gradient for its device,
+dtype, layout and type, that walk costs more than the check itself for a few hundred small
+tensors (about 0.3 ms for 400 on CPU, against 0.09 ms for torch's check-and-unscale op). What
+does not change between steps is cached per optimizer in a :class:`GradPlan`: the flat parameter
+list and whether any parameter is a DTensor. Each step then only reads ``p.grad`` and lets torch's
+C++ grouping (the one ``torch.nn.utils.clip_grad_norm_`` uses) sort the tensors: ~0.1 ms for 400.
+
+The plan is keyed by the identity of every parameter, checked at every step, so adding a
+parameter group or swapping a parameter rebuilds it. Gradients themselves are never cached:
+``zero_grad(set_to_none=True)`` gives new tensors every step, and they are read afresh.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distamp.topology import local_grad
+
+__all__ = ["GradGroup", "GradPlan", "GradPlans"]
+
+
+@dataclass
+class GradGroup:
+    """Gradients of one (device, dtype): local, dense tensors and the parameters owning them."""
+
+    device: torch.device
+    dtype: torch.dtype
+    grads: list[torch.Tensor]
+    params: list[torch.Tensor]
+
+
+class GradPlan:
+    """What is fixed about one optimizer's parameters (see module doc)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.key = tuple(map(id, params))
+        # DTensor gradients must be turned into their local shards one by one.
+        self.plain = not any(hasattr(p, "placements") for p in params)
+
+    def groups(
+        self, *, allow_fp16: bool = True, sparse_error: str | None = None
+    ) -> list[GradGroup]:
+        """This step's gradients, grouped. A sparse gradient counts as its values (an fp16 one
+        is coalesced in place first, as torch's scaler does), or raises ``ValueError`` with
+        ``sparse_error`` when given."""
+        params = self.params
+        grads = [p.grad for p in params]
+        owners = params
+        present: list[torch.Tensor] = [g for g in grads if g is not None]
+        if len(present) != len(grads):
+            owners = [p for p, g in zip(params, grads, strict=True) if g is not None]
+        if not present:
+            return []
+        if not self.plain:
+            return _slow_groups(owners, allow_fp16, sparse_error)
+        out: list[GradGroup] = []
+        grouped = torch._C._group_tensors_by_device_and_dtype([present], True)  # type: ignore[list-item]
+        for (device, dtype), (tensors, indices) in grouped.items():
+            if not allow_fp16 and dtype == torch.float16:
+                raise ValueError(FP16_GRADS)
+            group_owners = [owners[i] for i in indices]
+            dense: list[torch.Tensor] = tensors[0]  # type: ignore[assignment]
+            if any(t.is_sparse for t in dense):
+                out.extend(_slow_groups(group_owners, allow_fp16, sparse_error))
+                continue
+            out.append(GradGroup(device, dtype, list(dense), group_owners))
+        return out
+
+
+FP16_GRADS = (
+    "Attempting to unscale FP16 gradients: the parameters themselves are fp16. Keep parameters "
+    "in fp32 and let autocast cast them per op (or use precision='bf16', which needs no scaler)."
+)
+
+
+def _slow_groups(
+    params: list[torch.Tensor], allow_fp16: bool, sparse_error: str | None = None
+) -> list[GradGroup]:
+    """The general walk: DTensor shards and sparse gradients."""
+    groups: dict[tuple[torch.device, torch.dtype], GradGroup] = {}
+    for p in params:
+        grad = p.grad
+        if grad is None:
+            continue
+        if not allow_fp16 and grad.dtype == torch.float16:
+            raise ValueError(FP16_GRADS)
+        grad = local_grad(grad)
+        if grad.is_sparse:
+            if sparse_error is not None:
+                raise ValueError(sparse_error)
+            if grad.dtype is torch.float16:
+                grad = grad.coalesce()
+                p.grad = grad
+            grad = grad._values()
+        group = groups.get((grad.device, grad.dtype))
+        if group is None:
+            group = groups[grad.device, grad.dtype] = GradGroup(grad.device, grad.dtype, [], [])
+        group.grads.append(grad)
+        group.params.append(p)
+    return list(groups.values())
+
+
+class GradPlans:
+    """One :class:`GradPlan` per optimizer, dropped with the optimizer."""
+
+    def __init__(self) -> None:
+        self._plans: weakref.WeakKeyDictionary[Any, GradPlan] = weakref.WeakKeyDictionary()
+
+    def for_optimizer(self, optimizer: torch.optim.Optimizer) -> GradPlan:
+        """The optimizer's plan, rebuilt when its parameters changed since the last call."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        plan = self._plans.get(optimizer)
+        if plan is None or plan.key != tuple(map(id, params)):
+            plan = self._plans[optimizer] = GradPlan(params)
+        return plan
+
+    def clear(self) -> None:
+        self._plans = weakref.WeakKeyDictionary()
