@@ -27,6 +27,7 @@ Lightning 2.6); a precision plugin passed in ``plugins=`` is accepted, so fp16 r
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
@@ -363,8 +364,11 @@ class DistAMPFSDPPrecision(_DistAMPTrainerBase, FSDPPrecision):
             type(self).__name__, precision, device, scaler, policy, unscale, gate_schedulers
         )
         # FSDPPrecision builds a ShardedGradScaler for "16-mixed" (and rejects a scaler passed
-        # in); it is replaced by distamp's before anything uses it.
-        FSDPPrecision.__init__(self, _lightning_name(parsed))
+        # in); it is replaced by distamp's before anything uses it. Without CUDA that scaler
+        # warns that it disables itself, which does not concern this plugin.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
+            FSDPPrecision.__init__(self, _lightning_name(parsed))
         self._init_distamp(parsed, device, scaler, policy, unscale, gate_schedulers)
         self._mp_owner = (
             "autocast" if policy is not None else select_mp_owner(parsed, "fsdp", device)
