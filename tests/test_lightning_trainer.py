@@ -14,6 +14,7 @@ own gradients were finite there, so a test that counts skips also proves the inf
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 from tests._dist import run_ranks  # noqa: E402
+from tests.test_accelerate import run_torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, FEATURES = 4, 8
@@ -323,3 +325,176 @@ def test_sharded_strategies_agree_on_skips(
         assert r["norms"][BAD_SHARDED[0]] == float("inf")
     assert r0["params"] == r1["params"]
     assert r0["norms"] == r1["norms"]
+
+
+# ---------------------------------------------------------------------------- the example
+def test_example_runs(tmp_path: Path) -> None:
+    """launch/lightning_trainer_example.py under torchrun: 2 processes, fused AdamW, an inf on
+    rank 1 at step 3 skipped by both, the warmup scheduler held there."""
+    out = run_torchrun(
+        ROOT / "launch" / "lightning_trainer_example.py",
+        *("--steps", "6", "--log-interval", "3", "--fused", "--overflow-at", "3"),
+        *("--out", str(tmp_path)),
+        timeout=150,
+    )
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["world_size"] == 2 and summary["steps"] == 6
+    assert summary["skipped_steps"] == 1 and summary["scheduler_steps"] == 5
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [3, 6]
+    assert [r["skipped_steps"] for r in lines] == [0, 1]
+    assert lines[-1]["loss_scale"] == lines[0]["loss_scale"] / 2 and lines[-1]["grad_norm"] > 0
+    assert (tmp_path / "last.ckpt").exists()
+
+
+# ---------------------------------------------------------------------------- environment
+SLURM = {
+    "SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "4(x2)",
+    "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NNODES": "2",
+    "MASTER_PORT": "29511",
+}  # fmt: skip
+TORCHRUN = {
+    "TORCHELASTIC_RUN_ID": "abc", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "29511",
+}  # fmt: skip
+OPENMPI = {
+    "OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_NODE_RANK": "1",  # rank in node
+    "MASTER_ADDR": "n1", "MASTER_PORT": "29511",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("launcher", "env"),
+    [("slurm", SLURM), ("torchrun", TORCHRUN), ("openmpi", OPENMPI)],
+    ids=["slurm", "torchrun", "openmpi"],
+)
+def test_environment_gives_the_trainer_the_launchers_ranks(
+    launcher: str, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 5 of 8, 4 per node: the Trainer takes the layout from the adapter (and its setters
+    check that devices x num_nodes matches the launch)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities import rank_zero
+    from lightning_utilities.core import rank_zero as utils_rank_zero
+
+    from distamp.integrations.lightning import DistAMPEnvironment, DistAMPTrainerPrecision
+
+    # The Trainer sets Lightning's process-wide rank-zero rank: restore it after the test.
+    monkeypatch.setattr(rank_zero.rank_zero_only, "rank", rank_zero.rank_zero_only.rank)
+    monkeypatch.setattr(utils_rank_zero.rank_zero_only, "rank", utils_rank_zero.rank_zero_only.rank)
+    cluster = DistAMPEnvironment(env)
+    assert cluster.dist_env.launcher == launcher
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=4, num_nodes=2, strategy="ddp", logger=False,
+        plugins=[DistAMPTrainerPrecision("16-mixed", device="cpu"), cluster],
+    )  # fmt: skip
+    assert trainer.strategy.cluster_environment is cluster
+    assert (trainer.global_rank, trainer.world_size, trainer.local_rank, trainer.node_rank) == (
+        5, 8, 1, 1,
+    )  # fmt: skip
+    assert cluster.main_address == "n1" and cluster.main_port == 29511
+    assert cluster.creates_processes_externally  # Lightning's launcher must not spawn more
+    with pytest.raises(ValueError, match=r"make devices.*match the launch"):
+        pl.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy="ddp", plugins=[cluster])
+
+    for key, value in env.items():  # and read from the process environment itself
+        monkeypatch.setenv(key, value)
+    assert DistAMPEnvironment.detect()
+    assert DistAMPEnvironment().global_rank() == 5
+
+
+# ---------------------------------------------------------------------------- single process
+def test_bf16_clips_a_fused_optimizer_and_keeps_schedulers_as_they_are(tmp_path: Path) -> None:
+    """One process, in this one: bf16 has no scaler, so nothing is skipped or gated, and norm
+    clipping of a fused AdamW (which Lightning's own plugin refuses) still works."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from distamp.integrations.lightning import DistAMPTrainerPrecision
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(FEATURES, 4)
+
+        def training_step(self, batch: Any, _idx: int) -> torch.Tensor:
+            return self.net(batch[0]).float().pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), fused=True)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    plugin = DistAMPTrainerPrecision("bf16-mixed", device="cpu")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, plugins=[plugin], gradient_clip_val=1e-3,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(Net(), DataLoader(TensorDataset(torch.randn(8, FEATURES)), batch_size=4))
+    assert plugin.scaler is None and plugin.state_dict() == {} and plugin.skipped_steps == 0
+    assert not plugin.step_was_skipped
+    assert plugin.last_grad_norm is not None and float(plugin.last_grad_norm) > 1e-3
+    assert type(trainer.lr_scheduler_configs[0].scheduler).__name__ == "StepLR"
+
+
+def test_skip_aware_scheduler() -> None:
+    import copy
+    import pickle
+
+    import torch
+
+    from distamp.integrations.lightning import SkipAwareScheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    inner = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    skip = {"now": False}
+    gated = SkipAwareScheduler(inner, lambda o: o is opt and skip["now"])
+    opt.step()
+    gated.step()
+    skip["now"] = True
+    gated.step()
+    assert (inner.last_epoch, gated.held_steps, gated.get_last_lr()) == (1, 1, [0.5])
+    assert gated.optimizer is opt and gated.scheduler is inner
+    assert gated.state_dict() == inner.state_dict()
+    other = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    SkipAwareScheduler(other, lambda o: False).load_state_dict(gated.state_dict())
+    assert other.last_epoch == 1
+    assert copy.copy(gated).scheduler is inner
+    assert pickle.loads(pickle.dumps(SkipAwareScheduler(inner, bool))).last_epoch == 1
+    with pytest.raises(TypeError, match="no step, state_dict, load_state_dict, optimizer"):
+        SkipAwareScheduler(object(), bool)
+    with pytest.raises(TypeError, match="callable"):
+        SkipAwareScheduler(inner, None)  # type: ignore[arg-type]
+
+
+def test_bad_arguments() -> None:
+    import torch
+
+    from distamp import DistributedGradScaler
+    from distamp.integrations.lightning import DistAMPFSDPPrecision, DistAMPTrainerPrecision
+    from distamp.policy import AutocastPolicy
+
+    for cls in (DistAMPTrainerPrecision, DistAMPFSDPPrecision):
+        with pytest.raises(ValueError, match=r"precision='32-true'.*mixed precision"):
+            cls("32-true")
+        with pytest.raises(ValueError, match="precision='nope'"):
+            cls("nope")
+        with pytest.raises(ValueError, match="bf16 needs no loss scaling"):
+            cls("bf16-mixed", "cpu", DistributedGradScaler("cpu"))
+        with pytest.raises(TypeError, match=r"scaler=.*DistributedGradScaler"):
+            cls("16-mixed", "cpu", torch.amp.GradScaler("cpu"))  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="policy is for bf16"):
+            cls("16-mixed", "cpu", policy=AutocastPolicy("bf16"))
+        with pytest.raises(ValueError, match="unscale='early'"):
+            cls("16-mixed", "cpu", unscale="early")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="gate_schedulers=1"):
+            cls("16-mixed", "cpu", gate_schedulers=1)  # type: ignore[arg-type]
+    plugin = DistAMPTrainerPrecision("16-mixed", "cpu")
+    with pytest.raises(ValueError, match="clip_val='1'"):
+        plugin.clip_gradients(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), "1")  # type: ignore[arg-type]
+    fsdp = DistAMPFSDPPrecision("16-mixed", "cpu")
+    assert isinstance(fsdp.scaler, DistributedGradScaler) and fsdp.mixed_precision_config is None
