@@ -16,7 +16,8 @@ over :func:`distamp.detect_environment`, so Lightning sees the same rank layout 
 torchrun, SLURM and the MPI launchers.
 
 The Trainer's plugins, :class:`DistAMPTrainerPrecision` and :class:`DistAMPFSDPPrecision`, live in
-:mod:`distamp.integrations.lightning_trainer` and are importable from here too.
+:mod:`distamp.integrations.lightning_trainer` and :mod:`distamp.integrations.lightning_fsdp`, and
+are importable from here too.
 
 Tested with the versions in :data:`SUPPORTED`; others are refused at import.
 """
@@ -44,11 +45,9 @@ from distamp.policy import parse_precision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
 if TYPE_CHECKING:
+    from distamp.integrations.lightning_fsdp import DistAMPFSDPPrecision
     from distamp.integrations.lightning_scheduler import SkipAwareScheduler
-    from distamp.integrations.lightning_trainer import (
-        DistAMPFSDPPrecision,
-        DistAMPTrainerPrecision,
-    )
+    from distamp.integrations.lightning_trainer import DistAMPTrainerPrecision
 
 __all__ = [
     "LIGHTNING_VERSION",
@@ -64,7 +63,7 @@ __all__ = [
 # they are re-exported here lazily so that both import paths work without an import cycle.
 _TRAINER_NAMES = {
     "DistAMPTrainerPrecision": "distamp.integrations.lightning_trainer",
-    "DistAMPFSDPPrecision": "distamp.integrations.lightning_trainer",
+    "DistAMPFSDPPrecision": "distamp.integrations.lightning_fsdp",
     "SkipAwareScheduler": "distamp.integrations.lightning_scheduler",
 }
 

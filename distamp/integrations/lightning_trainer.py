@@ -2,8 +2,8 @@
 
 ``Trainer(plugins=[DistAMPTrainerPrecision("16-mixed")])`` (DDP, single device,
 ``ModelParallelStrategy``) or ``Trainer(strategy=FSDPStrategy(...),
-plugins=[DistAMPFSDPPrecision("16-mixed")])``. Where Lightning's own ``16-mixed`` falls short in
-distributed fp16, these plugins:
+plugins=[DistAMPFSDPPrecision("16-mixed")])`` (:mod:`distamp.integrations.lightning_fsdp`).
+Where Lightning's own ``16-mixed`` falls short in distributed fp16, these plugins:
 
 - skip an overflowing step on every rank or on none (:class:`~distamp.DistributedGradScaler`),
   also when the inf appears on one rank only (FSDP shards, fused optimizers, gradient hooks),
@@ -22,14 +22,14 @@ Lightning refuses ``Trainer(precision="16-mixed", strategy=ModelParallelStrategy
 checking the *string* flag only (``_AcceleratorConnector._validate_precision_choice`` in
 Lightning 2.6); a precision plugin passed in ``plugins=`` is accepted, so fp16 runs there with
 :class:`DistAMPTrainerPrecision`. ``FSDPStrategy`` demands an ``FSDPPrecision`` instance (its
-``precision_plugin`` setter), hence :class:`DistAMPFSDPPrecision`.
+``precision_plugin`` setter), hence
+:class:`~distamp.integrations.lightning_fsdp.DistAMPFSDPPrecision`, built on the same base.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -44,19 +44,18 @@ LIGHTNING_VERSION = _fabric_adapter.LIGHTNING_VERSION  # importing it checked th
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
-from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.pytorch.plugins.precision.precision import Precision  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 
 from distamp.integrations.lightning_scheduler import SkipAwareScheduler  # noqa: E402
 from distamp.metrics import AMPMetrics  # noqa: E402
-from distamp.policy import AutocastPolicy, parse_precision, select_mp_owner  # noqa: E402
+from distamp.policy import AutocastPolicy, parse_precision  # noqa: E402
 from distamp.policy import Precision as ParsedPrecision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
-from distamp.strategies.fsdp import fsdp1_mixed_precision  # noqa: E402
 
-__all__ = ["LIGHTNING_VERSION", "DistAMPFSDPPrecision", "DistAMPTrainerPrecision"]
+__all__ = ["LIGHTNING_VERSION", "DistAMPTrainerPrecision"]
 
 UnscaleWhen = Literal["auto", "before_hooks", "at_clip"]
 
@@ -279,7 +278,7 @@ class DistAMPTrainerPrecision(_DistAMPTrainerBase, MixedPrecision):
     """Trainer precision plugin: autocast (or a policy) plus distamp's rank-consistent scaler.
 
     For single-device, ``DDPStrategy`` and ``ModelParallelStrategy`` runs (use
-    :class:`DistAMPFSDPPrecision` with ``FSDPStrategy``)::
+    :class:`~distamp.integrations.lightning_fsdp.DistAMPFSDPPrecision` with ``FSDPStrategy``)::
 
         trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", gradient_clip_val=1.0,
                           plugins=[DistAMPTrainerPrecision("16-mixed", device="cpu")])
@@ -331,63 +330,6 @@ class DistAMPTrainerPrecision(_DistAMPTrainerBase, MixedPrecision):
         ctx = self.policy.autocast(self.device) if self.policy is not None else None
         with ctx if ctx is not None else self.autocast_context_manager():
             yield
-
-
-class DistAMPFSDPPrecision(_DistAMPTrainerBase, FSDPPrecision):
-    """The same plugin for ``FSDPStrategy``, which accepts only ``FSDPPrecision`` instances.
-
-    Lightning's ``FSDPPrecision("16-mixed")`` uses torch's ``ShardedGradScaler``, whose skip
-    decision can differ between ranks (fused optimizers), casts with autocast on CUDA only,
-    reduces gradients in fp16 and refuses norm clipping. This one keeps the guarantees of
-    :class:`DistAMPTrainerPrecision`, clips by norm counting every shard once, and leaves
-    casting to distamp's selector (:func:`distamp.policy.select_mp_owner`): on CUDA, FSDP's
-    ``MixedPrecision`` gathers parameters in the compute dtype and reduces gradients in fp32;
-    on CPU, or with a policy, autocast casts (FSDP's ``mixed_precision`` is then ``None``).
-
-    Lightning (2.6) lets ``FSDPStrategy`` run with CUDA accelerators only: its accelerator
-    connector raises "requires a GPU accelerator" otherwise.
-
-    Args: as :class:`DistAMPTrainerPrecision`.
-    """
-
-    def __init__(
-        self,
-        precision: Any = "16-mixed",
-        device: str | None = None,
-        scaler: DistributedGradScaler | None = None,
-        policy: AutocastPolicy | None = None,
-        *,
-        unscale: UnscaleWhen = "auto",
-        gate_schedulers: bool = True,
-    ) -> None:
-        parsed, device, scaler = _check_args(
-            type(self).__name__, precision, device, scaler, policy, unscale, gate_schedulers
-        )
-        # FSDPPrecision builds a ShardedGradScaler for "16-mixed" (and rejects a scaler passed
-        # in); it is replaced by distamp's before anything uses it. Without CUDA that scaler
-        # warns that it disables itself, which does not concern this plugin.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
-            FSDPPrecision.__init__(self, _lightning_name(parsed))
-        self._init_distamp(parsed, device, scaler, policy, unscale, gate_schedulers)
-        self._mp_owner = (
-            "autocast" if policy is not None else select_mp_owner(parsed, "fsdp", device)
-        )
-
-    @property
-    def mixed_precision_config(self) -> Any:
-        """FSDP's ``MixedPrecision`` when FSDP casts (CUDA, no policy), else ``None``."""
-        if self._mp_owner != "fsdp" or self._parsed.compute_dtype is None:
-            return None
-        return fsdp1_mixed_precision(self._parsed.compute_dtype)
-
-    def forward_context(self) -> AbstractContextManager[Any]:
-        """Policy context, else autocast on ``device`` unless FSDP's policy casts."""
-        if self.policy is not None:
-            return self.policy.autocast(self.device)  # type: ignore[no-any-return]
-        if self._mp_owner != "autocast":
-            return nullcontext()
-        return torch.autocast(self.device, dtype=self._parsed.compute_dtype)
 
 
 # ---------------------------------------------------------------------------- helpers
