@@ -441,6 +441,113 @@ def test_bf16_clips_a_fused_optimizer_and_keeps_schedulers_as_they_are(tmp_path:
     assert type(trainer.lr_scheduler_configs[0].scheduler).__name__ == "StepLR"
 
 
+def _fit_one_process(module: Any, plugin: Any, root: Path, steps: int, **kw: Any) -> Any:
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, plugins=[plugin], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root, **kw,
+    )  # fmt: skip
+    data = torch.randn(steps * BATCH, FEATURES, generator=torch.Generator().manual_seed(0))
+    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=BATCH))
+    return trainer
+
+
+def test_hooks_see_unscaled_gradients_policy_and_a_none_step(tmp_path: Path) -> None:
+    """One process: with an ``on_before_optimizer_step`` override ("auto" unscales before the
+    hooks) the hook reads the true gradient norm; the policy keeps LayerNorm in fp32; a
+    ``training_step`` that returns None neither steps nor lets the scheduler step."""
+    import lightning.pytorch as pl
+    import torch
+
+    from distamp.integrations.lightning import DistAMPTrainerPrecision
+    from distamp.policy import AutocastPolicy
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(FEATURES, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4)
+            )
+            self.dtypes: list[set[str]] = [set(), set(), set()]
+            for i, layer in enumerate(self.net):
+                layer.register_forward_hook(lambda _m, _i, o, i=i: self.dtypes[i].add(str(o.dtype)))
+            self.hook_norms: list[float] = []
+            self.clip_norms: list[float] = []
+
+        def training_step(self, batch: Any, idx: int) -> Any:
+            if idx == 1:
+                return None  # Lightning skips backward and step
+            return self.net(batch[0]).float().pow(2).mean()
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            if grads:
+                self.hook_norms.append(
+                    float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+                )
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            norm = self.trainer.precision_plugin.last_grad_norm
+            self.clip_norms.append(float(norm))
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), fused=True)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    plugin = DistAMPTrainerPrecision("16-mixed", "cpu", policy=AutocastPolicy("fp16"))
+    module = Net()
+    trainer = _fit_one_process(module, plugin, tmp_path, 4, gradient_clip_val=1e-3)
+    assert module.dtypes == [{"torch.float16"}, {"torch.float32"}, {"torch.float16"}]
+    gated = trainer.lr_scheduler_configs[0].scheduler
+    assert (gated.scheduler.last_epoch, gated.held_steps, plugin.skipped_steps) == (3, 1, 0)
+    # the hook ran before the clip, on unscaled gradients: its norm is the clip's norm
+    assert len(module.hook_norms) == 3
+    assert module.hook_norms == pytest.approx([module.clip_norms[k] for k in (0, 2, 3)], rel=1e-5)
+
+
+def test_manual_optimization_clips_and_gates_a_scheduler(tmp_path: Path) -> None:
+    """Manual optimization: ``self.clip_gradients`` on the LightningOptimizer, then its step;
+    a one-process inf is skipped and the user's ``sch.step()`` is held at that step."""
+    import lightning.pytorch as pl
+    import torch
+
+    from distamp.integrations.lightning import DistAMPTrainerPrecision
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.net = torch.nn.Linear(FEATURES, 4)
+            self.skipped: list[bool] = []
+
+        def training_step(self, batch: Any, idx: int) -> None:
+            opt, sch = self.optimizers(), self.lr_schedulers()
+            self.manual_backward(self.net(batch[0]).float().pow(2).mean())
+            if idx == 1:
+                self.net.weight.grad.view(-1)[0] = float("nan")
+            self.clip_gradients(opt, gradient_clip_val=1e-3, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+            sch.step()
+            self.skipped.append(self.trainer.precision_plugin.step_was_skipped)
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), fused=True)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    plugin = DistAMPTrainerPrecision("16-mixed", "cpu")
+    module = Net()
+    trainer = _fit_one_process(module, plugin, tmp_path, 3)
+    assert module.skipped == [False, True, False] and plugin.skipped_steps == 1
+    assert trainer.lr_scheduler_configs[0].scheduler.scheduler.last_epoch == 2
+
+
 def test_skip_aware_scheduler() -> None:
     import copy
     import pickle
