@@ -3,9 +3,11 @@
 What is checked: an inf injected into one rank's gradient after DDP's all-reduce is skipped on
 both ranks, the per-step LR scheduler steps only at real optimizer steps, and the replicas stay
 identical; a resumed Trainer restores the scale and the skip counter; Trainer clipping with a fused
-AdamW gives what distamp's engine gives; FSDP (CPU through a subclass, see ``_CPUFSDPStrategy``)
-and ``ModelParallelStrategy`` (FSDP2) agree on skips; ``DistAMPEnvironment`` gives the Trainer
-the ranks of SLURM, torchrun and Open MPI jobs; the example runs under torchrun.
+AdamW gives what distamp's engine gives; FSDP and ``ModelParallelStrategy`` (FSDP2) agree on skips
+(Lightning's FSDPStrategy needs CUDA: on CPU the test uses a subclass and wraps the model itself,
+see ``_clip_and_sharded``); ``DistAMPEnvironment`` gives the Trainer the ranks of SLURM, torchrun
+and Open MPI jobs; the example runs under torchrun. In one process: hooks see unscaled gradients,
+the policy's fp32 modules, ``None`` steps, manual optimization, bf16, bad arguments.
 
 Every inf is injected in ``on_after_backward`` on rank 1 only, and each rank records whether its
 own gradients were finite there, so a test that counts skips also proves the inf was one-sided.
