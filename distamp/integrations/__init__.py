@@ -5,7 +5,11 @@ Each submodule imports its framework when it is itself imported, never from here
 
 - :mod:`distamp.integrations.accelerate`: ``DistAMPAccelerator``, an ``accelerate.Accelerator``.
 - :mod:`distamp.integrations.lightning`: ``DistAMPPrecision`` (Fabric precision plugin) and
-  ``DistAMPEnvironment`` (a ``ClusterEnvironment`` over :func:`distamp.detect_environment`).
+  ``DistAMPEnvironment`` (a ``ClusterEnvironment`` over :func:`distamp.detect_environment`);
+  re-exports the Trainer plugins (``DistAMPTrainerPrecision`` of
+  :mod:`distamp.integrations.lightning_trainer`, ``DistAMPFSDPPrecision`` of
+  :mod:`distamp.integrations.lightning_fsdp`) and the scheduler gate of
+  :mod:`distamp.integrations.lightning_scheduler` (``SkipAwareScheduler``).
 """
 
 from __future__ import annotations

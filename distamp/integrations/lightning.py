@@ -15,13 +15,17 @@ It differs from Lightning's own ``MixedPrecision`` where that one falls short in
 over :func:`distamp.detect_environment`, so Lightning sees the same rank layout as distamp for
 torchrun, SLURM and the MPI launchers.
 
+The Trainer's plugins, :class:`DistAMPTrainerPrecision` and :class:`DistAMPFSDPPrecision`, live in
+:mod:`distamp.integrations.lightning_trainer` and :mod:`distamp.integrations.lightning_fsdp`, and
+are importable from here too.
+
 Tested with the versions in :data:`SUPPORTED`; others are refused at import.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -40,7 +44,36 @@ from distamp.metrics import AMPMetrics  # noqa: E402
 from distamp.policy import parse_precision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
-__all__ = ["LIGHTNING_VERSION", "SUPPORTED", "DistAMPEnvironment", "DistAMPPrecision"]
+if TYPE_CHECKING:
+    from distamp.integrations.lightning_fsdp import DistAMPFSDPPrecision
+    from distamp.integrations.lightning_scheduler import SkipAwareScheduler
+    from distamp.integrations.lightning_trainer import DistAMPTrainerPrecision
+
+__all__ = [
+    "LIGHTNING_VERSION",
+    "SUPPORTED",
+    "DistAMPEnvironment",
+    "DistAMPFSDPPrecision",
+    "DistAMPPrecision",
+    "DistAMPTrainerPrecision",
+    "SkipAwareScheduler",
+]
+
+# The Trainer plugins live in their own modules (which import this one for the version check);
+# they are re-exported here lazily so that both import paths work without an import cycle.
+_TRAINER_NAMES = {
+    "DistAMPTrainerPrecision": "distamp.integrations.lightning_trainer",
+    "DistAMPFSDPPrecision": "distamp.integrations.lightning_fsdp",
+    "SkipAwareScheduler": "distamp.integrations.lightning_scheduler",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TRAINER_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(_TRAINER_NAMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class DistAMPPrecision(MixedPrecision):
