@@ -283,7 +283,8 @@ def unscale_and_check_(
 ) -> None:
     """Multiply ``grads`` by ``inv_scale`` in place and raise ``found_inf`` to 1 on a non-finite.
 
-    The scaler's entry point: :func:`unscale_check_sumsq_` without the sum of squares, on the
-    default backend. ``write=False`` only checks (one read pass, gradients untouched). No host sync.
+    A shorthand for :func:`unscale_check_sumsq_` without the sum of squares, on the default
+    backend (benchmarks and direct users; the scaler calls :func:`unscale_check_sumsq_`).
+    ``write=False`` only checks (one read pass, gradients untouched). No host sync.
     """
     unscale_check_sumsq_(grads, found_inf, inv_scale, write=write)

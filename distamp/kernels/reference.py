@@ -32,7 +32,6 @@ __all__ = [
     "device_mismatch",
     "host_to_device",
     "reference_subset_",
-    "unscale_and_check_",
     "unscale_check_sumsq_torch_",
 ]
 
@@ -260,18 +259,3 @@ def unscale_check_sumsq_torch_(
     )
     return None if total is None else total.to(sumsq_dtype)
 
-
-def unscale_and_check_(
-    grads: Sequence[torch.Tensor],
-    found_inf: torch.Tensor,
-    inv_scale: torch.Tensor,
-    *,
-    write: bool = True,
-) -> None:
-    """Multiply ``grads`` by ``inv_scale`` in place and raise ``found_inf`` to 1 on a non-finite.
-
-    The pure-torch form of :func:`distamp.kernels.unscale_and_check_`. All tensors live on
-    ``found_inf``'s device. ``write=False`` only checks (one read pass, gradients untouched), which
-    is what a fused optimizer needs: it unscales inside its own kernel. No host sync.
-    """
-    unscale_check_sumsq_torch_(grads, found_inf, inv_scale, write=write)

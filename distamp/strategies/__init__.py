@@ -1,4 +1,4 @@
-"""Parallelization strategies: wrapping, gradient-sync suppression and clipping, per wrapper.
+"""Parallelization strategies: wrapping and gradient-sync suppression, per wrapper.
 
 Everything here that depends on the wrapper type (DDP, FSDP1, FSDP2) lives in this module, so
 the engine never inspects a wrapper itself. The wrap functions are plain keyword-only functions
