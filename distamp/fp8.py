@@ -414,12 +414,6 @@ class Float8Training:
         self._hooks.clear()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The plain local tensor under DTensor and torchao's float8 weight wrapper."""
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return getattr(local, "_tensor", local)
-
-
 def _cast_to_cpu_autocast(_module: nn.Module, args: tuple[Any, ...]) -> Any:
     """Cast a CPU fp32 input to CPU autocast's dtype, as Float8Linear does under CUDA autocast.
 
