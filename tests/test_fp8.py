@@ -7,7 +7,11 @@ importing torchao cost seconds per rank).
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import signal
+import subprocess
 import sys
 import time
 import warnings
@@ -359,3 +363,28 @@ def _scenarios(rank: int, world: int, root: str) -> str:
 def test_fp8_skips_agree_and_checkpoints_resume_bitwise(tmp_path: Path) -> None:
     _torchao()
     assert run_ranks(_scenarios, 2, str(tmp_path), timeout=240) == ["ok", "ok"]
+
+
+def test_main_job_trains_in_fp8_under_fsdp2() -> None:
+    _torchao()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(REPO / "launch" / "train.py"), "--precision", "fp8", "--strategy", "fsdp2"]
+    cmd += ["--steps", "4", "--log-interval", "2"]
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                     "MASTER_PORT", "DISTAMP_LAUNCHER", "TORCHELASTIC_RUN_ID")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
+        out, err = proc.communicate()
+        pytest.fail(f"launch/train.py --precision fp8 did not finish in 120 s\n{err[-3000:]}")
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["precision"] == "fp8" and summary["strategy"] == "fsdp2"
+    assert summary["fp8_layers"] == 9 and summary["skipped_steps"] == 0
+    assert summary["loss_scale"] == 1.0 and summary["final_loss"] < 5.55
