@@ -317,6 +317,28 @@ def _nan_skip(rank: int, strategy: str) -> None:
     amp.close()
 
 
+def _ddp_matches_one_process(rank: int) -> None:
+    """Eager DDP with fp8 layers == one process accumulating the ranks' micro-batches, bitwise.
+
+    Each rank scales its own activations (tensorwise amax of its micro-batch), which is what
+    the one process does per micro-batch; DDP's averaging of two gradients is exact.
+    """
+    ddp, model = _engine("ddp", "fp8")
+    _steps(ddp, model, rank, range(3))
+    torch.manual_seed(0)
+    one = DistAMP(precision="fp8", strategy="none", policy=_policy("fp8"), grad_accum_steps=2)
+    single, _ = one.setup(GPT(SMALL), lambda p: torch.optim.AdamW(p, lr=1e-2))
+    for k in range(3):
+        for r in range(2):
+            with one.autocast():
+                loss = lm_loss(single, _batch(r, k))
+            one.backward_and_step(loss)
+    got, want = _full(model), single.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want), "DDP fp8 differs from one process"
+    ddp.close()
+    one.close()
+
+
 def _resume_and_cross_precision(rank: int, strategy: str, root: str) -> None:
     whole, model_w = _engine(strategy, "fp8")
     _steps(whole, model_w, rank, range(4))
@@ -354,13 +376,14 @@ def _scenarios(rank: int, world: int, root: str) -> str:
     torch.use_deterministic_algorithms(True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*returned a view tensor")
+        _ddp_matches_one_process(rank)
         for strategy in ("ddp", "fsdp2"):
             _nan_skip(rank, strategy)
             _resume_and_cross_precision(rank, strategy, f"{root}/{strategy}")
     return "ok"
 
 
-def test_fp8_skips_agree_and_checkpoints_resume_bitwise(tmp_path: Path) -> None:
+def test_fp8_ddp_parity_skips_agree_and_checkpoints_resume_bitwise(tmp_path: Path) -> None:
     _torchao()
     assert run_ranks(_scenarios, 2, str(tmp_path), timeout=240) == ["ok", "ok"]
 
