@@ -268,7 +268,7 @@ class SaturatedLayer:
     """An fp8 layer whose float8 GEMM produced a non-finite result at the reported step."""
 
     layer: str
-    tensor: str  # "weight.grad", "bias.grad" or "output" (forward)
+    tensor: str  # "weight.grad", or "output" (the forward tracer's first non-finite output)
     kind: str  # "inf", "nan", "inf+nan" or "non-finite"
     ranks: tuple[int, ...]
 
@@ -328,9 +328,11 @@ class Float8Training:
             and settings.fsdp_float8_all_gather
             and settings.recipe == "tensorwise"
         )
-        config = ao.Float8LinearConfig.from_recipe_name(settings.recipe)
-        if all_gather:
-            config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        config = (
+            ao.Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # tensorwise + gather
+            if all_gather
+            else ao.Float8LinearConfig.from_recipe_name(settings.recipe)
+        )
         ao.convert_to_float8_training(
             model, module_filter_fn=lambda _m, fqn: fqn in selected, config=config
         )
@@ -387,10 +389,9 @@ class Float8Training:
         """
         layers = set(self.converted)
         found = []
-        for entry in report.entries:
-            if entry.module in layers:
-                tensor = entry.parameter.rsplit(".", 1)[-1] + ".grad"
-                found.append(SaturatedLayer(entry.module, tensor, entry.kind, entry.ranks))
+        for entry in report.entries:  # the bias gradient is no float8 product: left out
+            if entry.module in layers and entry.parameter.endswith(".weight"):
+                found.append(SaturatedLayer(entry.module, "weight.grad", entry.kind, entry.ranks))
         first = (report.forward or "").split(" (rank")[0]
         if first in layers:
             found.insert(0, SaturatedLayer(first, "output", "non-finite", ()))

@@ -155,6 +155,30 @@ def test_rowwise_recipe_and_default_threshold_warning() -> None:
         DistAMP(precision="fp8", strategy="none").setup(GPT(SMALL), lambda p: torch.optim.SGD(p))
 
 
+def test_overflow_report_names_the_saturated_fp8_layer() -> None:
+    """One inf in an fp8 layer's input: its scale becomes 0 and its whole output NaN. The step is
+    skipped and the engine's report names that layer first (from the forward tracer)."""
+    _torchao()
+    torch.manual_seed(0)
+    amp = DistAMP(precision="fp8", strategy="none", policy=_policy("fp8"), trace_nonfinite=True)
+    model, _ = amp.setup(GPT(SMALL), lambda p: torch.optim.SGD(p, lr=0.1))
+
+    def one_inf(_m: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        x = args[0].clone()
+        x.view(-1)[0] = float("inf")
+        return (x,)
+
+    model.blocks[1].fc.register_forward_pre_hook(one_inf)
+    seen: list[Any] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        amp.fit(lambda k: _batch(0, k), lm_loss, steps=1, log_interval=1, on_log=seen.append)
+    assert seen[0].skipped_steps == 1
+    assert "fp8 amax saturated: blocks.1.fc (output non-finite)" in seen[0].overflow
+    assert "first non-finite forward output: blocks.1.fc" in seen[0].overflow
+    amp.close()
+
+
 def test_compile_guard_raises_instead_of_compiling() -> None:
     _torchao()
     from distamp.fp8 import install_compile_guard
