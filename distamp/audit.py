@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from distamp.fp8 import LinearChoice, plan_linears
 from distamp.policy import AutocastPolicy, PrecisionLike, parse_precision
 
 __all__ = ["AuditReport", "ModuleRecord", "audit"]
@@ -66,10 +67,15 @@ class ModuleRecord:
 @dataclass
 class AuditReport:
     """The audit: one :class:`ModuleRecord` per module that ran, in call order, and the problems
-    found (each names the cause and the fix). ``str(report)`` is the table."""
+    found (each names the cause and the fix). ``str(report)`` is the table.
+
+    Under ``precision="fp8"``, ``fp8`` holds one :class:`~distamp.fp8.LinearChoice` per Linear
+    layer: whether it runs in float8 and, if not, why (fp32 island, ``fp8_exclude``, features
+    not multiples of 16, below ``fp8_min_features``)."""
 
     records: list[ModuleRecord]
     issues: list[str]
+    fp8: list[LinearChoice] = field(default_factory=list)
 
     def table(self) -> str:
         """A plain-text table, one row per module, then the issues."""
@@ -90,6 +96,10 @@ class AuditReport:
             "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in [head, *rows]
         ]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        if self.fp8:
+            runs = sum(c.fp8 for c in self.fp8)
+            lines.append(f"fp8: {runs} of {len(self.fp8)} Linear layers run in float8")
+            lines += [f"  {c}" for c in self.fp8]
         lines += [f"! {issue}" for issue in self.issues] or ["no precision issues found"]
         return "\n".join(lines)
 
@@ -190,6 +200,9 @@ def audit(
         model: the module to audit (unwrapped, or wrapped: records follow ``named_modules``).
         example_inputs: positional inputs for one forward pass.
         precision: the training precision (any :func:`~distamp.parse_precision` spelling).
+            ``"fp8"`` also lists which Linear layers run in float8 and why the others do not
+            (by :func:`distamp.fp8.plan_linears`; the forward itself runs the model as it is,
+            converted or not, under bf16 autocast).
         device_type: autocast's device type; default: the device of the first parameter.
         policy: audit under this :class:`~distamp.AutocastPolicy` instead of plain autocast
             (its hooks are applied to ``model`` if they were not already).
@@ -212,7 +225,10 @@ def audit(
     records: list[ModuleRecord] = []
     with torch.no_grad(), _recording(model, records), ctx:
         model(*example_inputs)
-    return AuditReport(records, _issues(model, records, prec.needs_scaler or _enabled(scaler)))
+    fp8 = plan_linears(model, policy or AutocastPolicy(prec)) if prec.float8_linears else []
+    return AuditReport(
+        records, _issues(model, records, prec.needs_scaler or _enabled(scaler)), fp8=fp8
+    )
 
 
 def _enabled(scaler: Any) -> bool:

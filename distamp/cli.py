@@ -170,13 +170,16 @@ _SHOWN = re.compile(
 
 
 def environment_report(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Versions, detected launcher, CUDA/NCCL/MPI, autocast support and the launcher variables.
+    """Versions, detected launcher, CUDA/NCCL/MPI, autocast and fp8 support, launcher variables.
 
-    Versions come from package metadata, so mpi4py and triton are reported without being imported
-    (importing mpi4py would initialize MPI).
+    Versions come from package metadata, so mpi4py, triton and torchao are reported without being
+    imported (importing mpi4py would initialize MPI). fp8: see :func:`distamp.fp8.fp8_support`
+    (CUDA compute capability 8.9+, or the CPU through ``torch._scaled_mm``; torchao in range).
     """
     import torch
     import torch.distributed as dist
+
+    from distamp.fp8 import fp8_support
 
     env = os.environ if env is None else env
     try:
@@ -213,6 +216,7 @@ def environment_report(env: Mapping[str, str] | None = None) -> dict[str, Any]:
             for device in ("cpu", "cuda")
             for name, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16))
         },
+        "fp8": fp8_support(),
         "variables": {k: v for k, v in sorted(env.items()) if _SHOWN.match(k)},
     }
 

@@ -65,6 +65,8 @@ class OverflowReport:
         forward: the first module whose forward output was non-finite, when a
             :class:`NonFiniteTracer` was active; ``None`` otherwise or when all were finite.
         loss_nonfinite: whether the loss itself was non-finite before scaling (tracer only).
+        extra: more findings by name; ``"fp8_saturated"``: the fp8 layers whose float8 GEMMs
+            went non-finite (see :meth:`distamp.fp8.Float8Training.saturation`).
     """
 
     step: int
@@ -88,6 +90,9 @@ class OverflowReport:
             parts.append(f"first non-finite forward output: {self.forward}")
         if self.loss_nonfinite:
             parts.append("the loss itself was non-finite before scaling")
+        saturated = self.extra.get("fp8_saturated")
+        if saturated:  # set by distamp.fp8 under precision="fp8"
+            parts.append(f"fp8 amax saturated: {', '.join(saturated[:3])}")
         return "; ".join(parts)
 
 

@@ -27,6 +27,7 @@ from torch import nn
 from distamp.checkpoint import load_checkpoint, save_checkpoint
 from distamp.cluster import named_collective
 from distamp.diagnostics import NonFiniteTracer, ScaleHealth
+from distamp.fp8 import Float8Training
 from distamp.metrics import Metrics, StepResult, WindowStats
 from distamp.policy import (
     AutocastPolicy,
@@ -144,7 +145,8 @@ class DistAMP:
         precision: any spelling :func:`distamp.policy.parse_precision` accepts ("bf16", "fp16",
             "16-mixed", torch.float16...). fp16 gets a :class:`~distamp.DistributedGradScaler`;
             bf16 and fp32 need no loss scaling and get a check-only one (non-finite steps are
-            still skipped on every rank).
+            still skipped on every rank). "fp8": the policy's selected Linear layers run as
+            torchao float8 layers, the rest as bf16, check-only scaler (see :mod:`distamp.fp8`).
         strategy: "ddp", "fsdp" (FSDP1), "fsdp2" (``fully_shard``), "none", or "auto" (ddp when
             more than one rank, else none).
         policy: an :class:`~distamp.AutocastPolicy` (its precision must be ``precision``), or
@@ -226,6 +228,7 @@ class DistAMP:
         self._health = ScaleHealth()
         self._skips_seen = 0
         self.comm_hook_state: Any = None
+        self.fp8: Float8Training | None = None
 
     @property
     def precision(self) -> Precision:
@@ -303,6 +306,11 @@ class DistAMP:
                 f"comm_hook={cfg.comm_hook!r}: strategy resolved to {self.strategy!r}, which has "
                 "no DDP comm hooks (one process resolves 'auto' to 'none'); use comm_hook=None"
             )
+        if cfg.precision.float8_linears:  # before wrapping: FSDP2 must see the float8 weights
+            policy = cfg.policy or AutocastPolicy(cfg.precision)
+            self.fp8 = Float8Training.convert(
+                model, policy, strategy=self.strategy, device=self.device
+            )
         if cfg.policy is not None:
             cfg.policy.apply(model)  # before wrapping: the hooks stay on FSDP's units
         wrapped = apply_strategy(
@@ -313,6 +321,8 @@ class DistAMP:
             policy=cfg.policy if self.strategy in SHARDED else None,
             hsdp_shard_size=cfg.hsdp_shard_size,
         )
+        if self.fp8 is not None:
+            self.fp8.after_wrap(wrapped, strategy=self.strategy, device=self.device)
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(list(wrapped.parameters()))
         elif self.strategy in SHARDED:
@@ -406,6 +416,8 @@ class DistAMP:
                 norm = scaler.clip_grad_norm_(opt, self.config.max_grad_norm)
             scaler.step(opt)
             scaler.update()
+            if self.fp8 is not None:  # FSDP2 float8 all-gather: next step's weight scales
+                self.fp8.after_step(self.model)
         result = StepResult.capture(scaler, norm)
         if self.scheduler is not None and result.stepped:  # host sync (see docstring)
             self.scheduler.step()
@@ -501,6 +513,8 @@ class DistAMP:
         """
         with named_collective("load_state (checkpoint read)", self.config.timeout):
             state = load_checkpoint(directory, model=self.model, optimizer=self.optimizer)
+            if state is not None and self.fp8 is not None:
+                self.fp8.after_step(self.model)  # the loaded weights' float8 scales
         if state is None:
             return False
         self.step_count = int(state["step"])
@@ -518,6 +532,8 @@ class DistAMP:
             return stats
         self._skips_seen = stats.skipped_steps
         report = self.scaler.overflow_report()
+        if self.fp8 is not None:  # names the fp8 layers among the report's
+            report = self.fp8.annotate(report)
         streak = self.scaler.skip_streak
         text = self._health.check(skipped_in_a_row=streak, scale=stats.loss_scale, report=report)
         if text is not None and (not dist.is_initialized() or dist.get_rank() == 0):

@@ -1,6 +1,6 @@
 """Precision parsing, the one place that decides who owns mixed precision, and precision policies.
 
-Frameworks spell the same three training precisions a dozen ways ("16-mixed", "fp16",
+Frameworks spell the same training precisions a dozen ways ("16-mixed", "fp16",
 ``torch.float16``, Accelerate's "no"). :func:`parse_precision` folds every spelling into one small
 :class:`Precision` value so that nothing downstream compares strings. :func:`select_mp_owner` is
 the only function that branches on (precision, strategy, device) to choose between autocast and
@@ -25,6 +25,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from distamp.fp8 import Float8Settings
+
 __all__ = [
     "AutocastPolicy",
     "MPOwner",
@@ -43,15 +45,19 @@ class Precision:
     """A parsed training precision.
 
     Attributes:
-        name: the canonical name: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
+        name: the canonical name: ``"fp32"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
         compute_dtype: the dtype matmuls run in, or ``None`` for full fp32 (no casting at all).
         needs_scaler: whether gradients need loss scaling. Only fp16 does: its 5-bit exponent
-            underflows small gradients, while bf16 shares fp32's exponent range.
+            underflows small gradients, while bf16 shares fp32's exponent range (fp8 keeps its
+            gradients in bf16/fp32 and scales each float8 operand itself, per tensor or row).
+        float8_linears: the Linear layers the policy selects run in float8 (torchao, see
+            :mod:`distamp.fp8`); everything else computes in ``compute_dtype`` (bf16).
     """
 
     name: str
     compute_dtype: torch.dtype | None
     needs_scaler: bool
+    float8_linears: bool = False
 
     def __str__(self) -> str:
         return self.name
@@ -60,6 +66,7 @@ class Precision:
 _FP32 = Precision("fp32", None, False)
 _FP16 = Precision("fp16", torch.float16, True)
 _BF16 = Precision("bf16", torch.bfloat16, False)
+_FP8 = Precision("fp8", torch.bfloat16, False, float8_linears=True)
 
 # Lower-case spelling -> precision. Lightning's names ("16-mixed", "bf16-mixed", "32-true", and the
 # legacy integers), Accelerate's ("no", "fp16", "bf16"), and torch's dtype names.
@@ -67,6 +74,7 @@ _SPELLINGS: dict[str, Precision] = {
     **dict.fromkeys(("fp32", "32", "32-true", "no", "float32", "float", "full"), _FP32),
     **dict.fromkeys(("fp16", "16", "16-mixed", "fp16-mixed", "float16", "half"), _FP16),
     **dict.fromkeys(("bf16", "bf16-mixed", "bfloat16", "bfloat16-mixed"), _BF16),
+    **dict.fromkeys(("fp8", "float8", "fp8-mixed"), _FP8),
 }
 _DTYPES: dict[torch.dtype, Precision] = {
     torch.float32: _FP32,
@@ -84,8 +92,10 @@ def parse_precision(value: PrecisionLike | Any) -> Precision:
 
     Args:
         value: a :class:`Precision`, a string (case-insensitive: ``"fp16"``, ``"16-mixed"``,
-            ``"bf16-mixed"``, ``"32-true"``, ``"no"``, ...), the integers ``16``/``32``, or one of
-            ``torch.float16``, ``torch.bfloat16``, ``torch.float32``.
+            ``"bf16-mixed"``, ``"32-true"``, ``"no"``, ``"fp8"``, ...), the integers
+            ``16``/``32``, or one of ``torch.float16``, ``torch.bfloat16``, ``torch.float32``.
+            A float8 dtype is not a training precision (parameters and most ops stay
+            fp32/bf16): spell it ``"fp8"``.
 
     Raises:
         ValueError: the value is not a precision; the message echoes it and lists the valid ones.
@@ -263,10 +273,22 @@ class AutocastPolicy:
             (for modules that manage their own casting).
         reduce_dtype: the dtype FSDP reduces gradients in. fp32 by default: the loss scaler
             then sees fp32 gradients and an fp16 reduction of scaled gradients cannot overflow.
+        recipe: fp8 only: torchao's scaling recipe, ``"tensorwise"`` (default) or
+            ``"rowwise"``.
+        fp8_min_features: fp8 only: Linear layers with fewer in or out features stay in bf16
+            (default :data:`distamp.fp8.DEFAULT_MIN_FEATURES`, 2048: smaller GEMMs are slower
+            in fp8 than in bf16).
+        fp8_exclude: fp8 only: name patterns of Linear layers kept in bf16 (e.g. ``"head"``).
+        fp8_all_gather: fp8 only: under FSDP2/HSDP, all-gather the fp8 layers' weights in
+            float8 (default True; tensorwise recipe only).
+
+        With ``"fp8"``, the Linear layers outside the fp32 modules that pass the fp8 rules run
+        in float8 and everything else as under ``"bf16"`` (see :mod:`distamp.fp8`); the fp32
+        modules are never converted.
 
     Raises:
-        ValueError: a bad precision, or an entry of ``fp32_modules`` that is neither a module
-            class nor a string.
+        ValueError: a bad precision, an entry of ``fp32_modules`` that is neither a module
+            class nor a string, or an fp8 option with another precision.
     """
 
     def __init__(
@@ -277,8 +299,36 @@ class AutocastPolicy:
         fp32_ops: Iterable[str] = DEFAULT_FP32_OPS,
         cast_inputs: bool = True,
         reduce_dtype: torch.dtype = torch.float32,
+        recipe: str | None = None,
+        fp8_min_features: int | None = None,
+        fp8_exclude: Iterable[str] = (),
+        fp8_all_gather: bool | None = None,
     ) -> None:
         self.precision = parse_precision(precision)
+        fp8_options = {
+            "recipe": recipe,
+            "fp8_min_features": fp8_min_features,
+            "fp8_all_gather": fp8_all_gather,
+        }
+        self.fp8: Float8Settings | None = None
+        if self.precision.float8_linears:
+            defaults = Float8Settings()
+            self.fp8 = Float8Settings(
+                recipe=defaults.recipe if recipe is None else recipe,
+                min_features=defaults.min_features if fp8_min_features is None
+                else fp8_min_features,
+                exclude=(fp8_exclude,) if isinstance(fp8_exclude, str) else tuple(fp8_exclude),
+                fsdp_float8_all_gather=defaults.fsdp_float8_all_gather
+                if fp8_all_gather is None else fp8_all_gather,
+            )  # fmt: skip
+        else:
+            given = [k for k, v in fp8_options.items() if v is not None]
+            given += ["fp8_exclude"] if tuple(fp8_exclude) else []
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)}: fp8 options with precision="
+                    f"{self.precision.name!r}; pass them with AutocastPolicy('fp8', ...)"
+                )
         self.fp32_modules: tuple[ModuleSpec, ...] = tuple(fp32_modules)
         for spec in self.fp32_modules:
             if not (
@@ -297,9 +347,14 @@ class AutocastPolicy:
 
     def __repr__(self) -> str:
         mods = ", ".join(s if isinstance(s, str) else s.__name__ for s in self.fp32_modules)
+        fp8 = (
+            ""
+            if self.fp8 is None
+            else f", recipe={self.fp8.recipe!r}, fp8_min_features={self.fp8.min_features}"
+        )
         return (
             f"AutocastPolicy({self.precision.name!r}, fp32_modules=({mods}), "
-            f"fp32_ops=<{len(self.fp32_ops)} ops>, cast_inputs={self.cast_inputs})"
+            f"fp32_ops=<{len(self.fp32_ops)} ops>, cast_inputs={self.cast_inputs}{fp8})"
         )
 
     @property

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `launch.model` (
 from distamp.cluster import init_distributed, shutdown_distributed
 from distamp.engine import DistAMP
 from distamp.metrics import ProgressPrinter
+from distamp.policy import AutocastPolicy, parse_precision
 from launch.model import DATA_FILE, GPT, GPTConfig, ShardedText, lm_loss, load_text
 
 
@@ -43,7 +44,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--steps", type=int, default=300, help="optimizer steps (the LR schedule's length)"
     )
-    p.add_argument("--precision", default="fp16", help="fp16 | bf16 | fp32, or 16-mixed, ...")
+    p.add_argument("--precision", default="fp16", help="fp16 | bf16 | fp32 | fp8, or 16-mixed...")
+    p.add_argument("--fp8-recipe", default="tensorwise", help="fp8: tensorwise | rowwise")
+    p.add_argument(
+        "--fp8-min-features",
+        type=int,
+        default=64,
+        help="fp8: smallest in/out features of a float8 Linear (distamp's default is 2048; this "
+        "model is 64 wide, so 64 puts every Linear of it in fp8)",
+    )
     p.add_argument("--strategy", default="auto", help="auto | ddp | fsdp | fsdp2 | none")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip norm; 0 disables")
@@ -109,9 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
     torch.manual_seed(args.seed)  # identical init on every rank (FSDP does not broadcast it)
     cfg = GPTConfig()
+    # fp8 takes its layer selection from a precision policy (fp32 norms and softmax included).
+    policy = (
+        AutocastPolicy(
+            args.precision, recipe=args.fp8_recipe, fp8_min_features=args.fp8_min_features
+        )
+        if parse_precision(args.precision).float8_linears
+        else None
+    )
     amp = DistAMP(
         precision=args.precision,
         strategy=args.strategy,
+        policy=policy,
         grad_accum_steps=args.grad_accum,
         max_grad_norm=args.max_grad_norm or None,
         timeout=args.timeout,
@@ -163,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_s": tokens * amp.world_size / wall if wall > 0 else None,
             "world_size": amp.world_size,
             "precision": str(amp.precision),
+            "fp8_layers": len(amp.fp8.converted) if amp.fp8 is not None else 0,
             "strategy": amp.strategy,
             "launcher": env.launcher,
             "resumed_from": start_step if resumed else None,

@@ -173,4 +173,4 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="fp32_ops"):
         AutocastPolicy("bf16", fp32_ops="softmax")
     with pytest.raises(ValueError, match="precision"):
-        AutocastPolicy("fp8")
+        AutocastPolicy("fp4")

@@ -260,7 +260,7 @@ def test_call_order_errors() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"precision": "fp8"}, "precision"),
+        ({"precision": "fp4"}, "precision"),
         ({"strategy": "zero3"}, "strategy"),
         ({"grad_accum_steps": 0}, "grad_accum_steps"),
         ({"grad_accum_steps": 2.0}, "grad_accum_steps"),

@@ -12,6 +12,7 @@ from distamp.policy import VALID_PRECISIONS, Precision, parse_precision, select_
 FP32 = ("fp32", None, False)
 FP16 = ("fp16", torch.float16, True)
 BF16 = ("bf16", torch.bfloat16, False)
+FP8 = ("fp8", torch.bfloat16, False)
 
 
 @pytest.mark.parametrize(
@@ -42,6 +43,10 @@ BF16 = ("bf16", torch.bfloat16, False)
         # case and whitespace do not matter
         ("  BF16-Mixed ", BF16),
         ("FP16", FP16),
+        # fp8: torchao float8 Linear layers, the rest bf16
+        ("fp8", FP8),
+        ("float8", FP8),
+        ("FP8-mixed", FP8),
     ],
 )
 def test_spellings(value: Any, expected: tuple[str, torch.dtype | None, bool]) -> None:
@@ -53,7 +58,20 @@ def test_spellings(value: Any, expected: tuple[str, torch.dtype | None, bool]) -
 
 @pytest.mark.parametrize(
     "value",
-    ["fp8", "bf16-true", "16-true", "64", 64, "", None, True, 16.0, torch.float64, torch.int8],
+    [
+        "fp8-true",
+        "bf16-true",
+        "16-true",
+        "64",
+        64,
+        "",
+        None,
+        True,
+        16.0,
+        torch.float64,
+        torch.int8,
+        torch.float8_e4m3fn,
+    ],
 )
 def test_unknown_values_echo_and_list_the_valid_ones(value: Any) -> None:
     with pytest.raises(ValueError) as info:

@@ -90,7 +90,7 @@ class DistAMPPrecision(MixedPrecision):
             context instead of bare autocast.
 
     Raises:
-        ValueError: a precision other than fp16/bf16, or a scaler with bf16.
+        ValueError: a precision other than fp16/bf16 (fp8 included), or a scaler with bf16.
     """
 
     def __init__(
@@ -105,6 +105,11 @@ class DistAMPPrecision(MixedPrecision):
             raise ValueError(
                 f"DistAMPPrecision(precision={precision!r}): this plugin is for mixed precision "
                 "('16-mixed' or 'bf16-mixed'); for fp32 use Fabric's default precision"
+            )
+        if parsed.float8_linears:
+            raise ValueError(
+                f"DistAMPPrecision(precision={precision!r}): fp8 converts the model's Linear "
+                "layers, which this plugin does not do; train fp8 with distamp.DistAMP"
             )
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if scaler is None and parsed.needs_scaler:
