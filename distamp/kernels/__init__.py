@@ -1,7 +1,8 @@
 """Fused unscale kernels: unscale + non-finite check (+ sum of squares) in one read pass.
 
-``unscale_check_sumsq_`` is the entry point the scaler and clipping use; ``unscale_and_check_`` is
-its shorthand without the sum of squares. Both dispatch over the "triton" and "torch" backends (see :mod:`distamp.kernels.dispatch`).
+``unscale_check_sumsq_`` is the entry point the scaler and clipping use; ``unscale_and_check_``
+is its shorthand without the sum of squares. Both dispatch over the "triton" and "torch"
+backends (see :mod:`distamp.kernels.dispatch`).
 Triton is imported only when a CUDA call first needs it.
 """
 
