@@ -258,4 +258,3 @@ def unscale_check_sumsq_torch_(
         grouped=grouped,
     )
     return None if total is None else total.to(sumsq_dtype)
-
