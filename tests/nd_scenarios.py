@@ -183,6 +183,8 @@ def make_optimizer(params: Any) -> torch.optim.Optimizer:
 class Reference:
     norms: list[float] = field(default_factory=list)
     params: list[dict[str, list[Any]]] = field(default_factory=list)
+    # pp: per step, the unscaled loss of each micro-batch, dp rank 0's first
+    microbatch_losses: list[list[float]] = field(default_factory=list)
 
 
 def _reference_loss(kind: str, model: nn.Module, step: int) -> torch.Tensor:
@@ -203,6 +205,11 @@ def reference_run(kind: str, steps: int = STEPS, skip: Any = INJECTIONS) -> Refe
     ref = Reference()
     for step in range(steps):
         opt.zero_grad()
+        if kind == "pp":
+            with torch.no_grad():
+                x, y = global_batch(kind, step)
+                pieces = zip(x.chunk(2 * N_MICROBATCHES), y.chunk(2 * N_MICROBATCHES), strict=True)
+                ref.microbatch_losses.append([float(mse(model(a), b)) for a, b in pieces])
         _reference_loss(kind, model, step).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         ref.norms.append(float(norm))
@@ -240,6 +247,10 @@ class Built:
     inject_into: nn.Parameter
     to_register: list[Any]
     keep_alive: list[Any] = field(default_factory=list)  # stages, schedules
+    # pp last stage, the latest step: the losses the schedule returned, and the same recomputed
+    # without the scale from the schedule's outputs
+    losses: list[float] = field(default_factory=list)
+    unscaled_losses: list[float] = field(default_factory=list)
 
 
 def build(layout: Layout, rank: int, scaler: Any, pp_loss_fn: Callable[..., Any] | None) -> Built:
@@ -339,14 +350,19 @@ def _build_pp(layout: Layout, rank: int, loss_fn: Callable[..., Any]) -> Built:
         if pp_rank == 0:  # holds stage 0 (and 2): feeds the inputs
             schedule.step(x)
         else:  # holds the last stage: computes the loss
-            schedule.step(target=y)
+            losses: list[torch.Tensor] = []
+            out = schedule.step(target=y, losses=losses)
+            built.losses[:] = [float(loss) for loss in losses]
+            # The same micro-batch losses, unscaled, from the outputs the schedule returns.
+            pieces = zip(out.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES), strict=True)
+            built.unscaled_losses[:] = [float(mse(o, t)) for o, t in pieces]
         if layout.dp == "plain":  # data parallelism by hand: average over the stage's dp ranks
             for p in params:
                 assert p.grad is not None
                 dist.all_reduce(p.grad, group=dp_group)
                 p.grad.div_(2)
 
-    return Built(
+    built = Built(
         modules=modules,
         optimizer=optimizer,
         forward_backward=forward_backward,
@@ -356,6 +372,7 @@ def _build_pp(layout: Layout, rank: int, loss_fn: Callable[..., Any]) -> Built:
         to_register=to_register,
         keep_alive=[stages, schedule, mesh],
     )
+    return built
 
 
 def _first_nonempty(params: list[nn.Parameter]) -> nn.Parameter:
@@ -537,6 +554,8 @@ def train(rank: int, scaler: Any, built: Built, steps: range) -> list[dict[str, 
                 "collectives": collectives,
                 "digest": digest(named),
                 "params": {name: t.tolist() for name, t in named},
+                "losses": list(built.losses),
+                "unscaled_losses": list(built.unscaled_losses),
             }
         )
     return records

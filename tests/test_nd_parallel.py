@@ -228,6 +228,43 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(
     _fail_on(problems, name)
 
 
+PIPELINED = [name for name, (_, case) in CASES.items() if case.layout.kind == "pp"]
+
+
+@pytest.mark.parametrize("name", PIPELINED)
+def test_scaled_loss_fn_returns_each_microbatch_loss_times_the_scale(
+    name: str, results: Callable[[str], list[dict[str, Any]]]
+) -> None:
+    """``scaler.scaled_loss_fn(mse)`` as the schedule's loss_fn: the losses the schedule hands
+    back on the last stage are the micro-batch losses (recomputed from the outputs it returns;
+    at step 0, before any update, the reference's) times the scale current at that step."""
+    per_rank = results(name)
+    ref = _reference(per_rank)
+    problems = []
+    for rank, res in enumerate(per_rank):
+        last_stage, dp = rank // 2 == 1, rank % 2  # mesh (pp, dp): ranks 2 and 3 hold it
+        for step, rec in enumerate(res["records"]):
+            if not last_stage:
+                assert rec["losses"] == [], "only the last stage computes losses"
+                continue
+            scale = nd.INIT_SCALE if step == 0 else res["records"][step - 1]["scale"]
+            want = [loss * scale for loss in rec["unscaled_losses"]]
+            got = rec["losses"]
+            assert len(want) == nd.N_MICROBATCHES
+            if len(got) != len(want) or any(
+                abs(g / w - 1) > 1e-6 for g, w in zip(got, want, strict=False)
+            ):
+                problems.append(f"rank {rank}, step {step}: losses {got}, expected {want}")
+        if last_stage:  # the micro-batches are the ones the reference sees
+            first = res["records"][0]["unscaled_losses"]
+            mine = ref.microbatch_losses[0][dp * nd.N_MICROBATCHES : (dp + 1) * nd.N_MICROBATCHES]
+            assert all(abs(a / b - 1) < 1e-5 for a, b in zip(first, mine, strict=True)), (
+                first,
+                mine,
+            )
+    _fail_on(problems, name)
+
+
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
