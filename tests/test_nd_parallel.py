@@ -16,11 +16,15 @@ max_norm that always clips, then ``step`` and ``update``. The contract, one test
   a single-process fp32 reference (torch.nn.utils.clip_grad_norm_ on the whole batch) to 1e-5;
 - reference step: the clipped SGD step lands on the reference's parameters (1e-5);
 - one collective: ``scaler.collectives_issued`` grows by exactly 1 per step (clip + step);
-- resume: saved through DCP + ``scaler.state_dict()`` and resumed in freshly built objects,
-  training goes on bitwise equal to the run that was never interrupted.
+- pipeline loss: with ``loss_fn=scaler.scaled_loss_fn(mse)`` the schedule's losses are each
+  micro-batch's loss times the current scale;
+- resume: saved through DCP + ``scaler.state_dict()`` (pipelines: flattened optimizer state;
+  dp x tp and experts: ``distamp.checkpoint``, the engine's path) and resumed in freshly built
+  objects, training goes on bitwise equal to the run that was never interrupted.
 
-The layouts are run in a few groups, each ONE spawn of 4 ranks (cached for the module), so a
-group costs one process start-up however many tests read it.
+A scaler-free check shows that every layout computes the reference's gradients, so a failure
+of the tests above is the scaler's. The layouts run in a few groups, each ONE spawn of 4 ranks
+(cached for the module), so a group costs one process start-up however many tests read it.
 """
 
 from __future__ import annotations
@@ -258,10 +262,8 @@ def test_scaled_loss_fn_returns_each_microbatch_loss_times_the_scale(
         if last_stage:  # the micro-batches are the ones the reference sees
             first = res["records"][0]["unscaled_losses"]
             mine = ref.microbatch_losses[0][dp * nd.N_MICROBATCHES : (dp + 1) * nd.N_MICROBATCHES]
-            assert all(abs(a / b - 1) < 1e-5 for a, b in zip(first, mine, strict=True)), (
-                first,
-                mine,
-            )
+            same = all(abs(a / b - 1) < 1e-5 for a, b in zip(first, mine, strict=True))
+            assert same, f"rank {rank}: step 0 losses {first}, reference {mine}"
     _fail_on(problems, name)
 
 
