@@ -6,7 +6,14 @@ each scaler call (``scale``, ``step`` — which unscales —, ``update``) the be
 ``Tensor.__bool__``, ``Tensor.tolist``, ``Tensor.cpu``), and times the calls. distamp is measured
 side by side with ``torch.amp.GradScaler`` and FSDP's ``ShardedGradScaler`` in the same run.
 
-    python benchmarks/scaler_overhead.py [--steps 30] [--layers 100]
+A second table runs four gloo ranks on the N-D layouts of the scaler tests
+(``tests/nd_scenarios.py``): pp=2 x dp=2 (FSDP2 per stage, GPipe) and dp=2 x tp=2 (sequence
+parallel, FSDP2 over dp), with clipping. There it times ``clip`` (distamp's ``clip_grad_norm_``;
+torch's ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``), ``step`` and ``update``, and counts
+collectives including DTensor's own (functional collectives). torch's scaler does not agree
+across pipeline stages nor clip to the whole model's norm there: its rows are a timing baseline.
+
+    python benchmarks/scaler_overhead.py [--steps 30] [--layers 100] [--nd-steps 10]
 """
 
 from __future__ import annotations
@@ -14,17 +21,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import queue as queue_module
 import socket
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+# The N-D layouts are the scaler tests' fixtures; the spawned ranks import them too.
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 _SYNC_METHODS = ("item", "__bool__", "tolist", "cpu")
 _COLLECTIVES = (
@@ -34,6 +48,8 @@ _COLLECTIVES = (
     "reduce_scatter_tensor",
     "broadcast",
 )
+# DTensor reduces (found_inf of torch's scaler, norms, full_tensor) through these.
+_FUNCOL = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single")
 
 
 class _Counter:
@@ -46,8 +62,11 @@ class _Counter:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
+        import torch.distributed._functional_collectives as funcol
+
         saved_t = {m: getattr(torch.Tensor, m) for m in _SYNC_METHODS}
         saved_d = {c: getattr(dist, c) for c in _COLLECTIVES}
+        saved_f = {c: getattr(funcol, c) for c in _FUNCOL}
 
         def wrap_sync(fn: Any) -> Any:
             def inner(*a: Any, **k: Any) -> Any:
@@ -69,6 +88,8 @@ class _Counter:
             setattr(torch.Tensor, m, wrap_sync(fn))
         for c, fn in saved_d.items():
             setattr(dist, c, wrap_coll(fn))
+        for c, fn in saved_f.items():
+            setattr(funcol, c, wrap_coll(fn))
         try:
             yield
         finally:
@@ -76,6 +97,8 @@ class _Counter:
                 setattr(torch.Tensor, m, fn)
             for c, fn in saved_d.items():
                 setattr(dist, c, fn)
+            for c, fn in saved_f.items():
+                setattr(funcol, c, fn)
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
@@ -206,27 +229,174 @@ def _worker(rank: int, world: int, port: int, steps: int, layers: int, queue: An
     dist.destroy_process_group()
 
 
+ND_CASES = [
+    ("pp2 x dp2 FSDP2 GPipe", "PP_FSDP2_GPIPE", "torch GradScaler"),
+    ("pp2 x dp2 FSDP2 GPipe", "PP_FSDP2_GPIPE", "distamp"),
+    ("dp2 x tp2 SP + FSDP2", "DP_TP", "torch GradScaler"),
+    ("dp2 x tp2 SP + FSDP2", "DP_TP", "distamp"),
+]
+ND_MAX_NORM = 1.0
+
+
+def _nd_setup(rank: int, layout_name: str, name: str) -> tuple[Any, Any, Any]:
+    """Scaler, built layout and clip function (clip(optimizer) -> norm) for one N-D case."""
+    import nd_scenarios as nd
+
+    from distamp import DistributedGradScaler
+
+    layout = getattr(nd, layout_name)
+    if name == "distamp":
+        scaler: Any = DistributedGradScaler("cpu")
+        loss_fn = scaler.scaled_loss_fn(nd.mse) if layout.kind == "pp" else None
+
+        def clip(opt: torch.optim.Optimizer) -> Any:
+            return scaler.clip_grad_norm_(opt, ND_MAX_NORM)
+
+    else:
+        scaler = torch.amp.GradScaler("cpu")
+        # torch's scaler creates its scale in the first scale(): a stage that computes no loss
+        # would never have one and could not step. Create it on every rank.
+        scaler.scale(torch.zeros(()))
+
+        def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return scaler.scale(nd.mse(out, target))
+
+        def clip(opt: torch.optim.Optimizer) -> Any:
+            scaler.unscale_(opt)
+            params = [p for g in opt.param_groups for p in g["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, ND_MAX_NORM)
+
+    built = nd.build(layout, rank, scaler, loss_fn)
+    if name == "distamp":
+        for module in built.to_register:
+            scaler.register_module(module)
+    return scaler, built, clip
+
+
+def _measure_nd(
+    rank: int, layout_name: str, name: str, steps: int, counter: _Counter
+) -> dict[str, float]:
+    scaler, built, clip = _nd_setup(rank, layout_name, name)
+    opt = built.optimizer
+    opt_time = [0.0]
+    inner_step = opt.step
+
+    def step_uncounted(*a: Any, **k: Any) -> Any:
+        was, counter.active = counter.active, False
+        t = time.perf_counter()
+        try:
+            return inner_step(*a, **k)
+        finally:
+            opt_time[0] += time.perf_counter() - t
+            counter.active = was
+
+    opt.step = step_uncounted  # type: ignore[method-assign]
+    times: dict[str, list[float]] = {"clip": [], "step": [], "update": []}
+    for i in range(steps + 3):
+        opt.zero_grad()
+        built.forward_backward(i)
+        if i == 3:  # warm-up done
+            counter.collectives = counter.syncs = 0
+            for v in times.values():
+                v.clear()
+        with counter.counting():
+            opt_time[0] = 0.0
+            t0 = time.perf_counter()
+            clip(opt)
+            t1 = time.perf_counter()
+            scaler.step(opt)
+            t2 = time.perf_counter()
+            scaler.update()
+            t3 = time.perf_counter()
+        times["clip"].append(t1 - t0)
+        times["step"].append(t2 - t1 - opt_time[0])
+        times["update"].append(t3 - t2)
+    out = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    out["total"] = sum(out.values())
+    out["collectives"] = counter.collectives / steps
+    out["syncs"] = counter.syncs / steps
+    return out
+
+
+def _nd_worker(rank: int, world: int, port: int, steps: int, queue: Any) -> None:
+    import logging
+    import warnings
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    # torch's notes on FSDP2 modules returning views and on two-step gathers: not ours.
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    counter = _Counter()
+    results = []
+    with counter.installed():
+        for label, layout_name, name in ND_CASES:
+            m = _measure_nd(rank, layout_name, name, steps, counter)
+            results.append((label, name, m))
+            dist.barrier()
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def _spawn(target: Any, world: int, *args: Any, timeout: float) -> Any:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:  # rank 0 reports; a rank that died (its traceback is on stderr) ends the wait
+            try:
+                return queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+                if dead:
+                    raise RuntimeError(f"rank(s) failed, exit codes {dead}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no result within {timeout:.0f}s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+def _print_nd(results: list[tuple[str, str, dict[str, float]]], steps: int) -> None:
+    base = {label: m["total"] for label, name, m in results if name == "torch GradScaler"}
+    print(
+        f"\n4 ranks gloo, N-D layouts of tests/nd_scenarios.py, clipping, median of {steps} steps"
+    )
+    header = (
+        f"{'layout':22} {'scaler':17} {'coll/step':>9} {'syncs/step':>10} {'clip ms':>8} "
+        f"{'step ms':>8} {'update ms':>9} {'total ms':>8} {'vs torch':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for label, name, m in results:
+        print(
+            f"{label:22} {name:17} {m['collectives']:9.1f} {m['syncs']:10.1f} {m['clip']:8.3f} "
+            f"{m['step']:8.3f} {m['update']:9.3f} {m['total']:8.3f} "
+            f"{m['total'] / base[label]:8.2f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--layers", type=int, default=100, help="4 parameter tensors per layer")
+    parser.add_argument(
+        "--nd-steps", type=int, default=10, help="steps per N-D case on 4 ranks (0: skip them)"
+    )
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, 2, port, args.steps, args.layers, queue))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=600)
-    for p in procs:
-        p.join(timeout=60)
+    results = _spawn(_worker, 2, args.steps, args.layers, timeout=600)
     base = {s: m["total"] for s, n, m in results if n == "torch GradScaler"}
     print(
         f"2 ranks gloo, {int(results[0][2]['tensors'])} parameter tensors, "
@@ -244,6 +414,8 @@ def main() -> None:
             f"{m['unscale+gate']:12.3f} {m['update']:9.3f} {m['total']:8.3f} "
             f"{m['total'] / base[strategy]:8.2f}"
         )
+    if args.nd_steps > 0:
+        _print_nd(_spawn(_nd_worker, 4, args.nd_steps, timeout=900), args.nd_steps)
 
 
 if __name__ == "__main__":
