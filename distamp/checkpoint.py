@@ -16,7 +16,8 @@ ranks (as DCP requires).
 
 Model and optimizer go through ``get_state_dict``/``set_state_dict``, which give the same
 parameter names whatever wrapper (none, DDP, FSDP1, FSDP2) holds the model: a checkpoint saved
-under one strategy loads under another.
+under one strategy loads under another. The optimizer state is flattened (keyed by parameter
+name), so pipeline stages that each hold part of the model keep their own hyper-parameters.
 """
 
 from __future__ import annotations
@@ -57,6 +58,16 @@ class CheckpointError(RuntimeError):
     nor the checkpoint directory is touched, so the good checkpoints that may be there (the
     previous step's is kept) survive for a fix by hand.
     """
+
+
+def _state_dict_options() -> Any:
+    """Flattened optimizer state: every entry, hyper-parameters included, is keyed by its
+    parameter's name. Unflattened, the ``param_groups`` entry has the same key on every pipeline
+    stage, DCP keeps one copy of it, and a stage loads another stage's learning rate, momentum
+    and weight decay (then fails on a missing key at its next step)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _cause(exc: BaseException) -> str:
@@ -214,7 +225,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that crashed
         tmp.mkdir()
     _barrier()
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_state_dict_options())
     with _single_process_quiet():  # DCP fsyncs the files it writes
         dcp_save({"model": msd, "optim": osd}, checkpoint_id=tmp / "state", no_dist=not _grouped())
     _save_synced(capture_rng(), tmp / f"rng_{rank}.pt")
@@ -319,7 +330,7 @@ def load_checkpoint(
         raise CheckpointError(error)
     # DCP loads in place, into the model's own tensors: every other file is read (and checked on
     # every rank) first, so that a bad one fails before anything is modified.
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_state_dict_options())
     state: dict[str, Any] = {"model": msd, "optim": osd}
     try:
         with _single_process_quiet():
@@ -329,7 +340,11 @@ def load_checkpoint(
         # exception), so every rank raises here and none is left waiting in a collective.
         raise _unreadable(path / "state", exc, root) from exc
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_state_dict_options(),
     )
     if rng is not None:
         restore_rng(rng)

@@ -267,14 +267,6 @@ def test_scaled_loss_fn_returns_each_microbatch_loss_times_the_scale(
     _fail_on(problems, name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="distamp.checkpoint (DistAMP.save_state) saves the optimizer state unflattened: the "
-    "param_groups entry has the same key on both pipeline stages, DCP keeps one copy, and stage 1 "
-    "loads stage 0's groups (its hyperparameters are lost). StateDictOptions("
-    "flatten_optimizer_state_dict=True) fixes it; the resume tests use that route.",
-)
 def test_engine_checkpoint_round_trip_under_pipeline_parallelism(
     results: Callable[[str], list[dict[str, Any]]],
 ) -> None:
