@@ -308,3 +308,53 @@ def test_reference_clips_and_skips(kind: str) -> None:
     assert all(n > 2 * nd.MAX_NORM for n in ref.norms)
     for step in range(1, nd.STEPS):
         assert (ref.params[step] == ref.params[step - 1]) == (step in nd.INJECTIONS)
+
+
+def _engine_pipeline(rank: int, world: int) -> list[tuple[bool, float, float]]:
+    """DistAMP driving a user-built pp=2 x dp=2 job: FSDP2 per stage, a GPipe schedule."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from distamp import DistAMP, DistributedGradScaler
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    module = nd._stage_module(nd.make_model("pp"), [[0, 1], [2, 3]][pp])
+    for layer in module.layers.values():  # type: ignore[union-attr]
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(module, mesh=mesh["dp"])
+    stage = PipelineStage(module, pp, 2, torch.device("cpu"), group=mesh.get_group("pp"))
+    amp = DistAMP(
+        precision="fp16",
+        mesh=mesh,
+        max_grad_norm=nd.MAX_NORM,
+        scaler=DistributedGradScaler("cpu", init_scale=1024.0),
+    )
+    amp.setup(stage, lambda params: torch.optim.SGD(params, lr=0.1))
+    assert amp.strategy == "none"  # the engine wraps nothing of a parallelised model
+    schedule = ScheduleGPipe(stage, nd.N_MICROBATCHES, loss_fn=amp.scaled_loss_fn(nd.mse))
+    out = []
+    for step in range(3):
+        x, y = nd.global_batch("pp", step)
+        x, y = x.chunk(2)[dp], y.chunk(2)[dp].clone()
+        if step == 1 and rank == 3:  # an overflowing loss on one last-stage rank
+            y[0, 0] = float("inf")
+        result = (
+            amp.pipeline_step(schedule, x) if pp == 0 else amp.pipeline_step(schedule, target=y)
+        )
+        out.append((result.stepped, result.loss_scale, float(result.grad_norm or 0.0)))
+    return out
+
+
+def test_engine_runs_a_pipeline_schedule_with_one_decision() -> None:
+    """``DistAMP(mesh=...)`` + ``setup(stage)`` + ``scaled_loss_fn`` + ``pipeline_step``: an inf
+    in one last-stage rank's loss skips the step on all four ranks (both stages), every rank
+    clips with the same whole-model norm, and the scale backs off everywhere alike."""
+    per_rank = run_ranks(_engine_pipeline, nd.WORLD, timeout=150)
+    for rank, steps in enumerate(per_rank):
+        assert [s[0] for s in steps] == [True, False, True], (rank, steps)
+        assert [s[1] for s in steps] == [1024.0, 512.0, 512.0], (rank, steps)
+        assert repr(steps) == repr(per_rank[0]), f"rank {rank}: {steps} vs rank 0 {per_rank[0]}"
+    assert all(math.isfinite(s[2]) and s[2] > nd.MAX_NORM for s in per_rank[0][::2])
+    assert not math.isfinite(per_rank[0][1][2])  # the skipped step's norm is the overflow's
