@@ -20,15 +20,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from distamp.diagnostics import OverflowRecorder
-from distamp.grad_groups import GradGroup
+from distamp.grad_groups import FP16_GRADS, GradGroup
 from distamp.kernels import unscale_check_sumsq_
+from distamp.step_record import is_fused, reciprocal
+from distamp.topology import grad_device, optimizer_params
+
+if TYPE_CHECKING:
+    from distamp.scaler import DistributedGradScaler
 
 __all__ = [
+    "clip_scaler_grads_",
     "check_clip_args",
     "clip_coefficient",
     "clip_divisor",
@@ -182,3 +189,89 @@ def scale_grads_(groups: Sequence[GradGroup], factor: torch.Tensor) -> None:
             factors[device] = factor.to(device, torch.float32).reshape(())
         scratch = torch.zeros((), dtype=torch.float32, device=device)
         unscale_check_sumsq_(group.grads, scratch, factors[device], grouped=True)
+
+
+def _reject_fp16_grads(optimizer: torch.optim.Optimizer) -> None:
+    params = optimizer_params(optimizer)
+    if any(p.grad is not None and p.grad.dtype == torch.float16 for p in params):
+        raise ValueError(FP16_GRADS)
+
+
+def clip_scaler_grads_(
+    scaler: DistributedGradScaler,
+    optimizer: torch.optim.Optimizer,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """The body of :meth:`DistributedGradScaler.clip_grad_norm_` (see there): it drives the
+    scaler's per-step record of ``optimizer`` and the step's one collective."""
+    max_norm, norm_type = check_clip_args(max_norm, norm_type)
+    record = scaler._record(optimizer)
+    if record.stage is OptState.STEPPED:
+        raise RuntimeError(
+            "clip_grad_norm_() is being called after step(): clip before stepping, then "
+            "call update() to start the next iteration."
+        )
+    if record.clipped:
+        raise RuntimeError(
+            "clip_grad_norm_() has already been called on this optimizer since the last "
+            "update(): clip once per optimizer step."
+        )
+    fused = is_fused(optimizer)
+    deferred = scaler._enabled and record.stage is OptState.READY and norm_type == 2.0
+    if scaler._enabled:
+        scale, _ = scaler._check_scale_growth_tracker("clip_grad_norm_")
+        home = scale.device
+        if record.stage is OptState.READY and not deferred:
+            scaler.unscale_(optimizer)  # p-norms other than 2 read unscaled gradients
+    else:
+        scale, home = None, grad_device(optimizer_params(optimizer))
+    scaler._prepare(optimizer, record)
+    found_inf = torch.zeros((), dtype=torch.float32, device=home)
+    if deferred:
+        assert scale is not None
+        if not fused:
+            _reject_fp16_grads(optimizer)
+        inv_scale = reciprocal(scale)
+        record.local_flags = {home: found_inf}  # filled by the pass below
+        record.found_inf = None
+    else:  # the gradients are unscaled already (or were never scaled)
+        inv_scale = torch.ones((), dtype=torch.float32, device=home)
+    pending = scaler._pending()
+    reducer = scaler._reducer_for([*pending, record])
+    groups = scaler._plans.for_optimizer(optimizer).groups(sparse_error=SPARSE_CLIP)
+    term = local_norm_term(
+        groups,
+        norm_type=norm_type,
+        inv_scale=inv_scale,
+        found_inf=found_inf,
+        copies=None if reducer.is_noop else scaler._topology.copies,
+        recorder=scaler._overflow if deferred else None,  # else unscale_ recorded them
+    )
+    op = "max" if norm_type == float("inf") else "sum"
+    norm = total_norm(scaler._reduce_pending(term, op, reducer), norm_type)  # type: ignore[arg-type]
+    if scaler._enabled:  # a skipped step keeps inf as inf (not inf * 0 = nan) for the report
+        divisor = clip_divisor(norm, max_norm)
+        if deferred and fused and scale is not None:
+            record.grad_scale = scale * divisor  # the fused step divides by it
+        elif deferred:
+            scale_grads_(groups, inv_scale / divisor)
+        elif fused:
+            record.grad_scale = divisor  # gradients already unscaled
+        else:
+            scale_grads_(groups, divisor.reciprocal())
+    else:
+        scale_grads_(groups, clip_coefficient(norm, max_norm))
+    if deferred:
+        record.stage = OptState.UNSCALED
+    record.clipped = scaler._enabled  # a disabled scaler keeps no per-step state
+    if error_if_nonfinite and not bool(torch.isfinite(norm).item()):  # host sync, opt-in
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+            "cannot be clipped. With a loss scaler this step is skipped anyway: pass "
+            "error_if_nonfinite=False (the default)."
+        )
+    if not scaler._enabled:
+        scaler._per_optimizer_states.pop(id(optimizer), None)
+    return norm

@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 
+from distamp.diagnostics import OverflowRecorder
+from distamp.kernels import unscale_check_sumsq_
 from distamp.topology import local_grad
 
-__all__ = ["GradGroup", "GradPlan", "GradPlans"]
+__all__ = ["GradGroup", "GradPlan", "GradPlans", "check_groups_"]
 
 
 @dataclass
@@ -124,3 +126,33 @@ class GradPlans:
 
     def clear(self) -> None:
         self._plans = weakref.WeakKeyDictionary()
+
+
+def check_groups_(
+    groups: list[GradGroup],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+    recorder: OverflowRecorder | None,
+) -> dict[torch.device, torch.Tensor]:
+    """Check every group for inf/NaN and, when ``inv_scale`` is given, unscale it in place: one
+    kernel call per group. Returns one local flag per device, always including ``found_inf``'s,
+    so that a rank with no gradient at all (empty shard, frozen parameters, a pipeline stage with
+    nothing to train) still has a flag for the collective. No host sync."""
+    write = inv_scale is not None
+    flags = {found_inf.device: found_inf}
+    factors: dict[torch.device, torch.Tensor] = {}
+    for group in groups:
+        device = group.device
+        flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
+        factor = factors.get(device)
+        if factor is None:
+            factor = factors[device] = (
+                inv_scale.to(device, non_blocking=True)
+                if inv_scale is not None
+                else torch.ones((), dtype=torch.float32, device=device)
+            )
+        per_tensor = None if recorder is None else recorder.new_flags(group.params, device)
+        unscale_check_sumsq_(
+            group.grads, flag, factor, write=write, per_tensor_flags=per_tensor, grouped=True
+        )
+    return flags

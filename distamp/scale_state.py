@@ -14,7 +14,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["ScaleState"]
+__all__ = ["ScaleState", "ScaleUnderflowError"]
+
+
+class ScaleUnderflowError(RuntimeError):
+    """The loss scale hit ``min_scale`` and the gradients still overflow."""
 
 
 class ScaleState:
@@ -78,6 +82,17 @@ class ScaleState:
         if self.hysteresis is not None and self.skipped is not None:
             self.hysteresis.fill_(self.init_hysteresis)
             self.skipped.fill_(self.init_skipped)
+
+    def raise_if_underflow(self, min_scale: float) -> None:
+        """Raise :class:`ScaleUnderflowError` if an overflow arrived at the floor (host sync)."""
+        if self.underflow is not None and bool(self.underflow.item()):  # host sync
+            self.underflow.zero_()
+            raise ScaleUnderflowError(
+                f"the loss scale is at min_scale={min_scale} and gradients still overflow. "
+                "Likely causes: NaN/inf in the inputs or the loss itself (check the batch), a "
+                "diverged model (lower the learning rate), or fp16 overflow in activations (use "
+                "precision='bf16', or keep the overflowing module in fp32 with an AutocastPolicy)."
+            )
 
     def detached(self) -> ScaleState:
         """A copy holding only the initial values (for pickling: tensors are re-created)."""

@@ -18,114 +18,35 @@ from __future__ import annotations
 
 import inspect
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from distamp import reduction
-from distamp.clipping import (
-    SPARSE_CLIP,
-    check_clip_args,
-    clip_coefficient,
-    clip_divisor,
-    local_norm_term,
-    scale_grads_,
-    total_norm,
-)
-from distamp.diagnostics import NonFiniteTracer, OverflowRecorder, OverflowReport, build_report
-from distamp.grad_groups import FP16_GRADS, GradPlans
-from distamp.kernels import unscale_check_sumsq_
-from distamp.scale_state import ScaleState
+from distamp.clipping import clip_scaler_grads_
+from distamp.diagnostics import NonFiniteTracer, OverflowRecorder
+from distamp.grad_groups import GradPlans, check_groups_
+from distamp.scale_state import ScaleState, ScaleUnderflowError
 from distamp.scale_update import ScaleRule, update_scale_
-from distamp.scaler_config import check_device, check_scaler_args, validate_state_dict
-from distamp.sync_free import masked_step
-from distamp.topology import Topology, grad_device, optimizer_params
+from distamp.scaler_config import check_device, check_scaler_args
+from distamp.scaler_reporting import ScalerReporting
+from distamp.step_record import (
+    OptimizerStep,
+    ScalerStateError,
+    StepRecords,
+    agree_pending,
+    is_fused,
+    reciprocal,
+)
+from distamp.sync_free import fused_step, masked_step
+from distamp.topology import Topology, optimizer_params
 
 __all__ = ["DistributedGradScaler", "OptimizerStep", "ScaleUnderflowError", "ScalerStateError"]
 
 
-class ScaleUnderflowError(RuntimeError):
-    """The loss scale hit ``min_scale`` and the gradients still overflow."""
-
-
-class ScalerStateError(RuntimeError, AssertionError):
-    """A scaler method was called out of order.
-
-    Subclasses ``AssertionError`` too, because torch's GradScaler raises that type for the same
-    misuse (e.g. ``step()`` before ``scale()``) and drop-in code may catch it.
-    """
-
-
-@dataclass(eq=False)
-class OptimizerStep:
-    """One optimizer's progress through the current iteration (READY -> UNSCALED -> STEPPED).
-
-    ``local_flags`` are this rank's non-finite flags, one per device, not yet agreed;
-    ``found_inf`` is the rank-agreed flag once the step's one collective ran. ``grad_scale`` is
-    what a fused optimizer must divide by after clipping (the clip divisor, times the scale when
-    unscaling was deferred into its step). Subscripting with torch's keys (``"stage"``,
-    ``"found_inf_per_device"``) works as on torch's per-optimizer dict, so code written against
-    torch's scaler internals keeps working; reading ``found_inf_per_device`` returns the agreed
-    flag, running the step's collective first if it has not run yet.
-    """
-
-    stage: OptState = OptState.READY
-    local_flags: dict[torch.device, torch.Tensor] = field(default_factory=dict)
-    found_inf: torch.Tensor | None = None
-    grad_scale: torch.Tensor | None = None
-    clipped: bool = False
-    ddp_covered: bool = False
-    agree: Callable[[], Any] | None = None
-
-    @property
-    def pending(self) -> bool:
-        """Whether local flags wait for the collective."""
-        return bool(self.local_flags) and self.found_inf is None
-
-    @property
-    def found_inf_per_device(self) -> dict[torch.device, torch.Tensor]:
-        if self.pending and self.agree is not None:
-            self.agree()  # the step's one collective, for every optimizer unscaled so far
-        if self.found_inf is not None:
-            return {self.found_inf.device: self.found_inf}
-        return self.local_flags
-
-    def __getitem__(self, key: str) -> Any:
-        if key == "stage":
-            return self.stage
-        if key == "found_inf_per_device":
-            return self.found_inf_per_device
-        raise KeyError(key)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        if key == "stage":
-            self.stage = value
-        elif key == "found_inf_per_device":
-            self.local_flags, self.found_inf = dict(value), None
-        else:
-            raise KeyError(key)
-
-
-class _StepRecords(dict):  # type: ignore[type-arg]
-    """``id(optimizer) -> OptimizerStep``, creating records on first access (as torch's
-    defaultdict) that reach back to the scaler for the lazy agreement."""
-
-    def __init__(self, scaler: DistributedGradScaler) -> None:
-        super().__init__()
-        self._scaler = weakref.ref(scaler)
-
-    def __missing__(self, key: int) -> OptimizerStep:
-        scaler = self._scaler()
-        record = OptimizerStep(agree=None if scaler is None else scaler._agree)
-        self[key] = record
-        return record
-
-
-class DistributedGradScaler(torch.amp.GradScaler):
+class DistributedGradScaler(ScalerReporting):
     """Drop-in for :class:`torch.amp.GradScaler` that never lets ranks disagree on a skip.
 
     The canonical loop is torch's, unchanged::
@@ -201,16 +122,15 @@ class DistributedGradScaler(torch.amp.GradScaler):
             min_scale=min_scale,
             max_scale=max_scale,
             sync_free=sync_free,
+            check_only=check_only,
         )
-        if not isinstance(check_only, bool):
-            raise ValueError(f"`check_only` must be a bool, got {check_only!r}")
         self._check_only = check_only
         if check_only:
             init_scale = 1.0  # nothing is scaled: the scale only reports 1
         super().__init__(
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
         )
-        self._per_optimizer_states = _StepRecords(self)  # type: ignore[assignment]
+        self._per_optimizer_states = StepRecords(self)  # type: ignore[assignment]
         self._hysteresis = int(hysteresis)
         self._min_scale = None if min_scale is None else float(min_scale)
         self._max_scale = None if max_scale is None else float(max_scale)
@@ -332,28 +252,9 @@ class DistributedGradScaler(torch.amp.GradScaler):
         whose optimizer holds no gradient (empty shard, frozen parameters, a pipeline stage with
         nothing to train) still contributes a flag to the collective instead of skipping it.
         """
-        write = inv_scale is not None
         with torch.no_grad():
             groups = self._plans.for_optimizer(optimizer).groups(allow_fp16=allow_fp16)
-        flags = {found_inf.device: found_inf}
-        factors: dict[torch.device, torch.Tensor] = {}
-        for group in groups:
-            device = group.device
-            flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
-            factor = factors.get(device)
-            if factor is None:
-                factor = factors[device] = (
-                    inv_scale.to(device, non_blocking=True)
-                    if inv_scale is not None
-                    else torch.ones((), dtype=torch.float32, device=device)
-                )
-            per_tensor = (
-                None if self._overflow is None else self._overflow.new_flags(group.params, device)
-            )
-            unscale_check_sumsq_(
-                group.grads, flag, factor, write=write, per_tensor_flags=per_tensor, grouped=True
-            )
-        return flags
+        return check_groups_(groups, found_inf, inv_scale, self._overflow)
 
     def _record(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
         return self._per_optimizer_states[id(optimizer)]  # type: ignore[return-value]
@@ -385,7 +286,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         record.local_flags = self._unscale_grads_(
             optimizer,
-            None if self._check_only else _reciprocal(scale),  # check-only: read, never write
+            None if self._check_only else reciprocal(scale),  # check-only: read, never write
             found_inf,
             False,
         )
@@ -435,38 +336,21 @@ class DistributedGradScaler(torch.amp.GradScaler):
         reducer: reduction.FlagReducer | None = None,
     ) -> torch.Tensor | None:
         """Agree on every unreduced flag of this step (and ``extra``, a norm term) with ONE
-        collective; return the reduced ``extra``.
-
-        The order of optimizers is the order in which they were unscaled, which is the same on
-        every rank in SPMD code, so the packed tensor lines up across ranks.
-        """
+        collective (:func:`~distamp.step_record.agree_pending`); return the reduced ``extra``."""
         pending = self._pending()
         if not pending and extra is None:
             return None
         if reducer is None:
             reducer = self._reducer_for(pending)
         scale = getattr(self, "_scale", None)  # torch does not create it when disabled
-        scale_device = (
+        home = (
             scale.device
             if scale is not None
             else (extra.device if extra is not None else torch.device("cpu"))
         )
-        local = []
-        for record in pending:
-            flags = [f.to(scale_device, non_blocking=True) for f in record.local_flags.values()]
-            local.append(flags[0] if len(flags) == 1 else torch.stack(flags).amax())
         if not reducer.is_noop:
             self.collectives_issued += len(reducer.groups)
-        agreed, extra = reduction.reduce_flags(reducer, local, extra, extra_op)
-        if agreed:
-            # Optimizers unscaled together are skipped together: whatever ran between unscale_
-            # and step (typically one clip_grad_norm_ over all parameters) mixed their gradients,
-            # so an inf in one made the others' gradients rank-dependent (clip coefficient 0 on
-            # one rank).
-            flag = agreed[0] if len(agreed) == 1 else torch.stack(agreed).amax()
-            for record in pending:
-                record.found_inf = flag
-        return extra
+        return agree_pending(pending, reducer, home, extra, extra_op)
 
     # ------------------------------------------------------------------ clipping
     def clip_grad_norm_(
@@ -494,75 +378,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
             The total norm of the unscaled gradients before clipping, a 0-dim float32 tensor
             (no host sync; non-finite when a gradient is, and the step is then skipped).
         """
-        max_norm, norm_type = check_clip_args(max_norm, norm_type)
-        record = self._record(optimizer)
-        if record.stage is OptState.STEPPED:
-            raise RuntimeError(
-                "clip_grad_norm_() is being called after step(): clip before stepping, then "
-                "call update() to start the next iteration."
-            )
-        if record.clipped:
-            raise RuntimeError(
-                "clip_grad_norm_() has already been called on this optimizer since the last "
-                "update(): clip once per optimizer step."
-            )
-        fused = _is_fused(optimizer)
-        deferred = self._enabled and record.stage is OptState.READY and norm_type == 2.0
-        if self._enabled:
-            scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
-            home = scale.device
-            if record.stage is OptState.READY and not deferred:
-                self.unscale_(optimizer)  # p-norms other than 2 read unscaled gradients
-        else:
-            scale, home = None, grad_device(optimizer_params(optimizer))
-        self._prepare(optimizer, record)
-        found_inf = torch.zeros((), dtype=torch.float32, device=home)
-        if deferred:
-            assert scale is not None
-            if not fused:
-                _reject_fp16_grads(optimizer)
-            inv_scale = _reciprocal(scale)
-            record.local_flags = {home: found_inf}  # filled by the pass below
-            record.found_inf = None
-        else:  # the gradients are unscaled already (or were never scaled)
-            inv_scale = torch.ones((), dtype=torch.float32, device=home)
-        pending = self._pending()
-        reducer = self._reducer_for([*pending, record])
-        groups = self._plans.for_optimizer(optimizer).groups(sparse_error=SPARSE_CLIP)
-        term = local_norm_term(
-            groups,
-            norm_type=norm_type,
-            inv_scale=inv_scale,
-            found_inf=found_inf,
-            copies=None if reducer.is_noop else self._topology.copies,
-            recorder=self._overflow if deferred else None,  # else unscale_ recorded them
-        )
-        op = "max" if norm_type == float("inf") else "sum"
-        norm = total_norm(self._reduce_pending(term, op, reducer), norm_type)  # type: ignore[arg-type]
-        if self._enabled:  # a skipped step keeps inf as inf (not inf * 0 = nan) for the report
-            divisor = clip_divisor(norm, max_norm)
-            if deferred and fused and scale is not None:
-                record.grad_scale = scale * divisor  # the fused step divides by it
-            elif deferred:
-                scale_grads_(groups, inv_scale / divisor)
-            elif fused:
-                record.grad_scale = divisor  # gradients already unscaled
-            else:
-                scale_grads_(groups, divisor.reciprocal())
-        else:
-            scale_grads_(groups, clip_coefficient(norm, max_norm))
-        if deferred:
-            record.stage = OptState.UNSCALED
-        record.clipped = self._enabled  # a disabled scaler keeps no per-step state
-        if error_if_nonfinite and not bool(torch.isfinite(norm).item()):  # host sync, opt-in
-            raise RuntimeError(
-                f"the total norm of order {norm_type} of the gradients is non-finite, so it "
-                "cannot be clipped. With a loss scaler this step is skipped anyway: pass "
-                "error_if_nonfinite=False (the default)."
-            )
-        if not self._enabled:
-            self._per_optimizer_states.pop(id(optimizer), None)
-        return norm
+        return clip_scaler_grads_(self, optimizer, max_norm, norm_type, error_if_nonfinite)
 
     # ------------------------------------------------------------------ step / update
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -585,7 +401,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
                 "step() has already been called since the last update(): call update() once "
                 "per iteration, after stepping every optimizer."
             )
-        fused = _is_fused(optimizer)
+        fused = is_fused(optimizer)
         if fused and "grad_scaler" in inspect.signature(optimizer.step).parameters:
             # torch's older protocol: the optimizer asks the scaler itself (through
             # _check_inf_per_device / _found_inf_per_device, which agree across ranks here).
@@ -611,17 +427,8 @@ class DistributedGradScaler(torch.amp.GradScaler):
         if self._counters.ready:
             self._counters.last_skipped = found_inf > 0
         if fused:
-            preset = getattr(optimizer, "grad_scale", None)
             grad_scale = scale if record.stage is OptState.READY else record.grad_scale
-            if preset is not None:
-                grad_scale = preset if grad_scale is None else grad_scale * preset
-            optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-            try:
-                retval = optimizer.step(*args, **kwargs)
-            finally:
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
+            retval = fused_step(optimizer, grad_scale, found_inf, *args, **kwargs)
         elif self._sync_free:
             retval = masked_step(optimizer, found_inf, *args, **kwargs)
         else:
@@ -670,10 +477,10 @@ class DistributedGradScaler(torch.amp.GradScaler):
             self._tracer.commit(found)
         self._new_iteration()
         if self._min_scale is not None and not self._sync_free:
-            self._raise_if_underflow()  # one host sync, only when min_scale is set
+            self._counters.raise_if_underflow(self._min_scale)  # one host sync, opt-in
 
     def _new_iteration(self) -> None:
-        self._per_optimizer_states = _StepRecords(self)  # type: ignore[assignment]
+        self._per_optimizer_states = StepRecords(self)  # type: ignore[assignment]
 
     def _rule(self) -> ScaleRule:
         return ScaleRule(
@@ -685,139 +492,8 @@ class DistributedGradScaler(torch.amp.GradScaler):
             max_scale=self._max_scale,
         )
 
-    def _raise_if_underflow(self) -> None:
-        # Host sync: reads the on-device underflow flag.
-        underflow = self._counters.underflow
-        if underflow is not None and bool(underflow.item()):
-            underflow.zero_()
-            raise ScaleUnderflowError(
-                f"the loss scale is at min_scale={self._min_scale} and gradients still overflow. "
-                "Likely causes: NaN/inf in the inputs or the loss itself (check the batch), a "
-                "diverged model (lower the learning rate), or fp16 overflow in activations (use "
-                "precision='bf16', or keep the overflowing module in fp32 with an AutocastPolicy)."
-            )
-
-    # ------------------------------------------------------------------ reporting
-    @property
-    def check_only(self) -> bool:
-        """Whether this scaler only checks (bf16/fp32: no scaling, non-finite steps skipped)."""
-        return self._check_only
-
-    @property
-    def last_step_skipped(self) -> torch.Tensor:
-        """0-dim bool tensor: whether the last step/update skipped (no host sync to get it)."""
-        last = self._counters.last_skipped
-        return torch.zeros((), dtype=torch.bool) if last is None else last
-
-    @property
-    def skipped_steps(self) -> int:
-        """Number of skipped iterations since the start (synced: reads a device counter)."""
-        if not self._enabled:
-            return 0
-        return self._counters.skipped_steps()
-
-    @property
-    def skip_streak(self) -> int:
-        """Consecutive skipped iterations up to the last ``update()`` (synced: read on request)."""
-        streak = self._counters.streak
-        return 0 if streak is None else int(streak.item())  # host sync, on request only
-
     def get_scale(self) -> float:
         """The current scale as a Python float (one host sync)."""
         if self._sync_free and self._min_scale is not None:
-            self._raise_if_underflow()
+            self._counters.raise_if_underflow(self._min_scale)
         return super().get_scale()
-
-    def attach_tracer(self, tracer: NonFiniteTracer | None) -> None:
-        """Follow a :class:`~distamp.diagnostics.NonFiniteTracer`: its forward record is kept
-        for skipped steps and appears in :meth:`overflow_report`. ``None`` detaches."""
-        self._tracer = tracer
-
-    def overflow_report(self) -> OverflowReport | None:
-        """Which parameters (and modules, ranks, inf or NaN) overflowed at the last skipped step.
-
-        Reads the per-gradient flags the unscale pass kept on device (nothing is computed again)
-        and gathers every rank's, so the report is the same on every rank. Host syncs and, with a
-        process group, one gather: call it on every rank, on request or after a skip (the engine
-        does it at a logging step whose window skipped). Parameter names come from
-        :meth:`register_module`. ``None`` when no step was skipped (or ``report_overflow=False``).
-        """
-        if not self._enabled or self._overflow is None:
-            return None
-        group = self._topology.process_group
-        return build_report(
-            self._overflow,
-            self._topology.param_names,
-            self._overflow.params(),
-            group if _is_process_group(group) else None,
-            self._tracer,
-        )
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """torch's keys plus hysteresis, bounds and the skip counter; identical on every rank."""
-        if not self._enabled:
-            return {}
-        sd = super().state_dict()
-        sd.update(
-            hysteresis=self._hysteresis,
-            min_scale=self._min_scale,
-            max_scale=self._max_scale,
-            **self._counters.state_dict(),
-        )
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state from this class or from ``torch.amp.GradScaler.state_dict()``.
-
-        Works before the first ``scale()``. Malformed input raises ``ValueError`` naming the key,
-        and nothing is changed.
-        """
-        if not self._enabled:
-            return
-        sd = validate_state_dict(state_dict, default_hysteresis=self._hysteresis)
-        super().load_state_dict(sd)
-        self._hysteresis = int(sd["hysteresis"])
-        self._counters.load(sd["_hysteresis_tracker"], sd["skipped_steps"])
-        for key in ("min_scale", "max_scale"):
-            if key in state_dict:
-                setattr(self, f"_{key}", None if sd[key] is None else float(sd[key]))
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        if self._enabled:
-            state["_counters"] = self._counters.detached()
-        # Process groups and module hooks do not survive pickling; they are re-resolved lazily.
-        state["_topology"] = Topology()
-        state["_plans"] = None
-        state["_per_optimizer_states"] = None
-        state["_overflow"] = (
-            None if self._overflow is None else OverflowRecorder(lazy_on_cpu=not self._sync_free)
-        )
-        state["_tracer"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._per_optimizer_states = _StepRecords(self)  # type: ignore[assignment]
-        self._plans = GradPlans()
-
-
-def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer takes ``grad_scale``/``found_inf`` (torch's fused=True ones)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
-def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
-    # FP32 division can be imprecise for some scales: take the reciprocal in FP64 (as torch).
-    return scale.double().reciprocal().float() if scale.device.type != "mps" else scale.reciprocal()
-
-
-def _reject_fp16_grads(optimizer: torch.optim.Optimizer) -> None:
-    params = optimizer_params(optimizer)
-    if any(p.grad is not None and p.grad.dtype == torch.float16 for p in params):
-        raise ValueError(FP16_GRADS)
-
-
-def _is_process_group(group: Any) -> bool:
-    return group is not None and isinstance(group, torch.distributed.ProcessGroup)

@@ -54,9 +54,10 @@ def check_scaler_args(
     min_scale: Any,
     max_scale: Any,
     sync_free: Any,
+    check_only: Any = False,
 ) -> None:
     """Validate DistributedGradScaler's constructor arguments (raises ``ValueError``)."""
-    for name, flag in (("enabled", enabled), ("sync_free", sync_free)):
+    for name, flag in (("enabled", enabled), ("sync_free", sync_free), ("check_only", check_only)):
         if not isinstance(flag, bool):
             raise ValueError(f"`{name}` must be a bool, got {flag!r}")
     if check_number("init_scale", init_scale) <= 0:

@@ -1,8 +1,9 @@
-"""Gating a non-fused optimizer's step on an on-device flag, without a host sync.
+"""Gating an optimizer's step on the agreed on-device flag, without a host sync.
 
-Fused optimizers take ``found_inf`` as an argument and skip inside their kernel. Every other
-optimizer is a Python loop whose ``step()`` cannot be skipped without reading the flag on the
-host, so the step is made *undoable* instead.
+Fused optimizers take ``grad_scale`` and ``found_inf`` as attributes and skip inside their kernel
+(:func:`fused_step`). Every other optimizer is a Python loop whose ``step()`` cannot be skipped
+without reading the flag on the host, so the step is made *undoable* instead
+(:func:`masked_step`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["masked_step"]
+__all__ = ["fused_step", "masked_step"]
 
 
 def _params_with_grad(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -56,3 +57,25 @@ def masked_step(
         for p in created:
             del optimizer.state[p]
     return retval
+
+
+def fused_step(
+    optimizer: torch.optim.Optimizer,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Step a fused optimizer (torch's ``fused=True``) with ``grad_scale`` and ``found_inf`` set
+    as attributes for the call. A ``grad_scale`` the user preset on the optimizer multiplies into
+    ours and is removed afterwards, as torch's scaler does. No host sync."""
+    preset = getattr(optimizer, "grad_scale", None)
+    if preset is not None:
+        grad_scale = preset if grad_scale is None else grad_scale * preset
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]

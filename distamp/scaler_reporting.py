@@ -1,0 +1,139 @@
+"""What a :class:`~distamp.DistributedGradScaler` reports and persists.
+
+Skip counters and the last decision (on device, read on request), the overflow report, and the
+state that survives a checkpoint or a pickle. The scaler's base class, kept apart from its state
+machine (scale -> unscale -> step -> update) in :mod:`distamp.scaler`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from distamp.diagnostics import NonFiniteTracer, OverflowRecorder, OverflowReport, build_report
+from distamp.grad_groups import GradPlans
+from distamp.scale_state import ScaleState
+from distamp.scaler_config import validate_state_dict
+from distamp.step_record import StepRecords
+from distamp.topology import Topology
+
+__all__ = ["ScalerReporting"]
+
+
+class ScalerReporting(torch.amp.GradScaler):
+    """Reporting and persistence of the scaler (see module doc); the base of
+    :class:`~distamp.DistributedGradScaler`, which sets these attributes."""
+
+    _check_only: bool
+    _sync_free: bool
+    _hysteresis: int
+    _min_scale: float | None
+    _max_scale: float | None
+    _counters: ScaleState
+    _topology: Topology
+    _plans: GradPlans
+    _overflow: OverflowRecorder | None
+    _tracer: NonFiniteTracer | None
+
+    @property
+    def check_only(self) -> bool:
+        """Whether this scaler only checks (bf16/fp32: no scaling, non-finite steps skipped)."""
+        return self._check_only
+
+    @property
+    def last_step_skipped(self) -> torch.Tensor:
+        """0-dim bool tensor: whether the last step/update skipped (no host sync to get it)."""
+        last = self._counters.last_skipped
+        return torch.zeros((), dtype=torch.bool) if last is None else last
+
+    @property
+    def skipped_steps(self) -> int:
+        """Number of skipped iterations since the start (synced: reads a device counter)."""
+        if not self._enabled:
+            return 0
+        return self._counters.skipped_steps()
+
+    @property
+    def skip_streak(self) -> int:
+        """Consecutive skipped iterations up to the last ``update()`` (synced: read on request)."""
+        streak = self._counters.streak
+        return 0 if streak is None else int(streak.item())  # host sync, on request only
+
+    def attach_tracer(self, tracer: NonFiniteTracer | None) -> None:
+        """Follow a :class:`~distamp.diagnostics.NonFiniteTracer`: its forward record is kept
+        for skipped steps and appears in :meth:`overflow_report`. ``None`` detaches."""
+        self._tracer = tracer
+
+    def overflow_report(self) -> OverflowReport | None:
+        """Which parameters (and modules, ranks, inf or NaN) overflowed at the last skipped step.
+
+        Reads the per-gradient flags the unscale pass kept on device (nothing is computed again)
+        and gathers every rank's, so the report is the same on every rank. Host syncs and, with a
+        process group, one gather: call it on every rank, on request or after a skip (the engine
+        does it at a logging step whose window skipped). Parameter names come from
+        :meth:`register_module`. ``None`` when no step was skipped (or ``report_overflow=False``).
+        """
+        if not self._enabled or self._overflow is None:
+            return None
+        group = self._topology.process_group
+        return build_report(
+            self._overflow,
+            self._topology.param_names,
+            self._overflow.params(),
+            group if _is_process_group(group) else None,
+            self._tracer,
+        )
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """torch's keys plus hysteresis, bounds and the skip counter; identical on every rank."""
+        if not self._enabled:
+            return {}
+        sd = super().state_dict()
+        sd.update(
+            hysteresis=self._hysteresis,
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
+            **self._counters.state_dict(),
+        )
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state from this class or from ``torch.amp.GradScaler.state_dict()``.
+
+        Works before the first ``scale()``. Malformed input raises ``ValueError`` naming the key,
+        and nothing is changed.
+        """
+        if not self._enabled:
+            return
+        sd = validate_state_dict(state_dict, default_hysteresis=self._hysteresis)
+        super().load_state_dict(sd)
+        self._hysteresis = int(sd["hysteresis"])
+        self._counters.load(sd["_hysteresis_tracker"], sd["skipped_steps"])
+        for key in ("min_scale", "max_scale"):
+            if key in state_dict:
+                setattr(self, f"_{key}", None if sd[key] is None else float(sd[key]))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self._enabled:
+            state["_counters"] = self._counters.detached()
+        # Process groups and module hooks do not survive pickling; they are re-resolved lazily.
+        state["_topology"] = Topology()
+        state["_plans"] = None
+        state["_per_optimizer_states"] = None
+        state["_overflow"] = (
+            None if self._overflow is None else OverflowRecorder(lazy_on_cpu=not self._sync_free)
+        )
+        state["_tracer"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._per_optimizer_states = StepRecords(self)  # type: ignore[assignment]
+        self._plans = GradPlans()
+
+
+def _is_process_group(group: Any) -> bool:
+    return group is not None and isinstance(group, torch.distributed.ProcessGroup)
