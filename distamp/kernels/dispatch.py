@@ -249,29 +249,11 @@ def unscale_check_sumsq_(
     grads = list(grads)
     _validate(grads, found_inf, inv_scale, per_tensor_flags, sumsq_dtype)
     resolved = get_default_backend() if backend is None else _check_backend(backend, "backend")
+    args = (grads, found_inf, inv_scale, write, compute_sumsq, per_tensor_flags, sumsq_dtype)
     if torch.compiler.is_compiling():
-        out = torch.ops.distamp.unscale_check_sumsq_(
-            grads,
-            found_inf,
-            inv_scale,
-            write,
-            compute_sumsq,
-            per_tensor_flags,
-            sumsq_dtype,
-            resolved,
-        )
+        out = torch.ops.distamp.unscale_check_sumsq_(*args, resolved)
         return out if compute_sumsq else None
-    return _run(
-        grads,
-        found_inf,
-        inv_scale,
-        write,
-        compute_sumsq,
-        per_tensor_flags,
-        sumsq_dtype,
-        resolved,
-        grouped,
-    )
+    return _run(*args, resolved, grouped)
 
 
 def unscale_and_check_(
