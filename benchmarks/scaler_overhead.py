@@ -148,13 +148,9 @@ def _wrap(strategy: str, model: nn.Module) -> nn.Module:
     )
 
 
-def _measure(
-    rank: int, strategy: str, name: str, steps: int, layers: int, counter: _Counter
-) -> dict[str, float]:
-    model = _wrap(strategy, _model(layers))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    scaler = _make_scaler(name, model)
-    # The optimizer's own syncs and time are the same whatever the scaler: exclude them.
+def _exclude_optimizer_step(opt: torch.optim.Optimizer, counter: _Counter) -> list[float]:
+    """Keep the optimizer's own update out of the counts, and time it (returned list's one
+    entry) so that it can be subtracted: it is the same whatever the scaler."""
     opt_time = [0.0]
     inner_step = opt.step
 
@@ -168,6 +164,17 @@ def _measure(
             counter.active = was
 
     opt.step = step_uncounted  # type: ignore[method-assign]
+    return opt_time
+
+
+def _measure(
+    rank: int, strategy: str, name: str, steps: int, layers: int, counter: _Counter
+) -> dict[str, float]:
+    model = _wrap(strategy, _model(layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    scaler = _make_scaler(name, model)
+    # The optimizer's own syncs and time are the same whatever the scaler: exclude them.
+    opt_time = _exclude_optimizer_step(opt, counter)
     gen = torch.Generator().manual_seed(rank)
     times: dict[str, list[float]] = {"scale": [], "unscale+gate": [], "update": []}
     counter.collectives = counter.syncs = 0
@@ -278,19 +285,7 @@ def _measure_nd(
 ) -> dict[str, float]:
     scaler, built, clip = _nd_setup(rank, layout_name, name)
     opt = built.optimizer
-    opt_time = [0.0]
-    inner_step = opt.step
-
-    def step_uncounted(*a: Any, **k: Any) -> Any:
-        was, counter.active = counter.active, False
-        t = time.perf_counter()
-        try:
-            return inner_step(*a, **k)
-        finally:
-            opt_time[0] += time.perf_counter() - t
-            counter.active = was
-
-    opt.step = step_uncounted  # type: ignore[method-assign]
+    opt_time = _exclude_optimizer_step(opt, counter)
     times: dict[str, list[float]] = {"clip": [], "step": [], "update": []}
     for i in range(steps + 3):
         opt.zero_grad()
