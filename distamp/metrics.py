@@ -3,8 +3,8 @@
 Reading a loss with ``.item()`` every step stalls a GPU pipeline once per step. :class:`Metrics`
 instead adds each micro-batch's loss into a device tensor and counts tokens in Python; at a
 logging step :meth:`Metrics.collect` packs everything into one tensor, reduces it across ranks
-with ONE collective and reads it with ONE host sync. :class:`ProgressPrinter` is the rank-0 side:
-a progress line on stderr and a JSON-lines file of the collected windows.
+with ONE collective and reads it with ONE host sync. Where the windows go (the rank-0 progress
+line, JSON lines, TensorBoard) is :mod:`distamp.metrics_writers`.
 
 :class:`AMPMetrics` is the same idea for loops the engine does not run (the Accelerate and
 Lightning integrations): after each optimizer step it adds the scaler's on-device skip flag and
@@ -14,15 +14,14 @@ at the logging interval. Writers for such dicts live in :mod:`distamp.metrics_wr
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from distamp.metrics_writers import ProgressPrinter  # re-exported: the name's old home
 
 __all__ = ["AMPMetrics", "Metrics", "ProgressPrinter", "StepResult", "WindowStats"]
 
@@ -199,60 +198,6 @@ class Metrics:
         )
         self._reset_window()
         return stats
-
-
-class ProgressPrinter:
-    """Rank 0's view: a progress line on stderr, and each window appended to a JSONL file.
-
-    On a terminal the line is redrawn in place every step; elsewhere (CI logs, SLURM output) one
-    line is printed per logging step, so logs stay readable.
-    """
-
-    def __init__(
-        self, total_steps: int, *, jsonl: str | Path | None = None, stream: TextIO | None = None
-    ) -> None:
-        self.total = max(1, total_steps)
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.jsonl = Path(jsonl) if jsonl is not None else None
-        self._last = ""
-
-    def _bar(self, step: int) -> str:
-        width = 24
-        filled = int(width * min(step, self.total) / self.total)
-        return f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total}"
-
-    def step(self, step: int) -> None:
-        """Redraw the progress line (terminals only)."""
-        if self.tty:
-            self.stream.write(f"\r{self._bar(step)} {self._last}\x1b[K")
-            self.stream.flush()
-
-    def log(self, stats: WindowStats) -> None:
-        """Show a collected window and append it to the JSONL file."""
-        self._last = (
-            f"loss {stats.loss:.4f} | scale {stats.loss_scale:g} | skipped {stats.skipped_steps}"
-            f" | {stats.tokens_per_s:,.0f} tok/s"
-        )
-        if self.tty:
-            self.step(stats.step)
-            if stats.overflow:
-                self.stream.write(f"\n  {stats.overflow}\n")
-        else:
-            self.stream.write(f"{self._bar(stats.step)} {self._last}\n")
-            if stats.overflow:
-                self.stream.write(f"  {stats.overflow}\n")
-            self.stream.flush()
-        if self.jsonl is not None:
-            self.jsonl.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.jsonl, "a") as f:
-                f.write(json.dumps(stats.as_dict()) + "\n")
-
-    def close(self) -> None:
-        """End the in-place line so that later output starts on a fresh line."""
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 class AMPMetrics:
