@@ -422,7 +422,7 @@ class DistAMP:
         if self.scheduler is not None and result.stepped:  # host sync (see docstring)
             self.scheduler.step()
         opt.zero_grad(set_to_none=True)
-        self.metrics.end_step(norm)
+        self.metrics.end_step(norm, scaler)
         self._micro = 0
         self.step_count += 1
         return result

@@ -1,28 +1,32 @@
-"""Training metrics kept on device and synced only at a logging interval.
+"""Training metrics: ONE window reducer, fed by the engine and by every integration.
 
-Reading a loss with ``.item()`` every step stalls a GPU pipeline once per step. :class:`Metrics`
-instead adds each micro-batch's loss into a device tensor and counts tokens in Python; at a
-logging step :meth:`Metrics.collect` packs everything into one tensor, reduces it across ranks
-with ONE collective and reads it with ONE host sync. :class:`ProgressPrinter` is the rank-0 side:
-a progress line on stderr and a JSON-lines file of the collected windows.
+Why one: the overflow rate, the loss scale and the gradient norm should mean the same thing in
+the engine's log and in an Accelerate or Lightning run, so exactly one class, :class:`Metrics`,
+turns a window of optimizer steps into figures. Its feeders:
 
-:class:`AMPMetrics` is the same idea for loops the engine does not run (the Accelerate and
-Lightning integrations): after each optimizer step it adds the scaler's on-device skip flag and
-the clipping norm to device counters, and :meth:`AMPMetrics.compute` turns them into a plain dict
-at the logging interval. Writers for such dicts live in :mod:`distamp.metrics_writers`.
+- :class:`distamp.DistAMP`: :meth:`Metrics.record` per micro-batch, :meth:`Metrics.end_step` per
+  optimizer step, :meth:`Metrics.collect` at a logging step, which returns a :class:`WindowStats`;
+- the Accelerate, Lightning Fabric and Lightning Trainer integrations, through
+  :class:`AMPMetrics` (the same reducer under the method names they expose: ``step`` and
+  ``compute``, which returns the plain dict their ``*metrics_dict()`` methods hand out).
+
+Why on device: reading a loss with ``.item()`` every step stalls a GPU pipeline once per step.
+Feeding the reducer only adds into device tensors and counts in Python; a logging step packs the
+window into one tensor, reduces it across ranks with ONE collective and reads it back with ONE
+host sync (the scaler's scale and skip counter cost one sync each on top, through its public
+getters). Where the figures go (console, JSON lines, TensorBoard) is :mod:`distamp.metrics_writers`.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from distamp.metrics_writers import ProgressPrinter  # re-exported: the name's old home
 
 __all__ = ["AMPMetrics", "Metrics", "ProgressPrinter", "StepResult", "WindowStats"]
 
@@ -32,19 +36,19 @@ class WindowStats:
     """What every rank learns at a logging step (identical on all ranks).
 
     Attributes:
-        step: optimizer steps completed.
+        step: optimizer steps completed (the engine passes its own count; by default the steps
+            this reducer was fed).
         loss: mean loss over all ranks' micro-batches since the previous logging step.
         last_loss: mean loss of the last step alone, over ranks and micro-batches.
         loss_scale: the scaler's current scale (1.0 without loss scaling).
         skipped_steps: steps skipped for non-finite gradients since the start.
         tokens_per_s: tokens of all ranks per second of wall time in the window.
-        grad_norm: the last step's gradient norm before clipping, if clipping is on.
+        grad_norm: the window's last gradient norm before clipping, mean over ranks; ``None``
+            when no step of the window clipped.
         stop: whether any rank asked to stop (see ``collect(stop=...)``).
         overflow: the one-line overflow report when the window skipped a step (the engine
             fills it in from ``scaler.overflow_report()``), else ``None``.
-        overflow_rate: skipped steps / steps in the window. The first window of a process
-            divides all skips so far by all steps so far (after a resume both include the
-            restored counts), since no earlier window is known.
+        overflow_rate: skipped steps / steps in the window (see :meth:`Metrics.collect`).
     """
 
     step: int
@@ -59,6 +63,7 @@ class WindowStats:
     overflow_rate: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
+        """Every field by name, as the writers take it (no host sync: all are Python values)."""
         return asdict(self)
 
 
@@ -107,30 +112,48 @@ class StepResult:
         )
 
 
-class Metrics:
-    """Per-window counters; ``record`` never syncs, ``collect`` syncs once."""
+def _enabled(scaler: Any) -> bool:
+    return scaler is not None and bool(scaler.is_enabled())
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+
+class Metrics:
+    """The window reducer. Feeding it (:meth:`record`, :meth:`add_tokens`, :meth:`end_step`)
+    never syncs with the device nor communicates; :meth:`collect` closes the window with one
+    collective.
+
+    Args:
+        device: where the counters live (the device of the losses and of the scaler's flags).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         # fp32, not fp64: some backends (MPS) have no fp64, and window sums need no more.
-        self._zero = torch.zeros((), dtype=torch.float32, device=device)
-        self._reset_window()
+        self._zero = torch.zeros((), dtype=torch.float32, device=self.device)
         self._step_loss = self._zero.clone()
         self._step_micro = 0
         self._last_step_loss = self._zero.clone()
         self._last_step_micro = 1
-        self._grad_norm: torch.Tensor | None = None
-        self._skips_seen: int | None = None  # skipped_steps at the previous collect
-        self._steps_seen = 0
+        self._steps_total = 0
+        self._skips_base: int | None = None  # the scaler's skip counter at the window's start
+        self._flags_fed = False  # whether steps came with their scaler (see _overflow_rate)
+        self._reset_window()
 
     def _reset_window(self) -> None:
         self._loss = self._zero.clone()
         self._micro = 0
         self._tokens = 0
+        self._steps = 0
+        self._flagged = self._zero.clone()  # the window's steps the scaler flagged as skipped
+        self._norm: torch.Tensor | None = None
         self._t0 = time.perf_counter()
 
+    @property
+    def window_steps(self) -> int:
+        """Optimizer steps fed since the window opened (a Python count: no sync)."""
+        return self._steps
+
     def record(self, loss: torch.Tensor, tokens: int = 0) -> None:
-        """Add one micro-batch's (unscaled, undivided) loss and its token count."""
+        """Add one micro-batch's (unscaled, undivided) loss and its token count. No host sync."""
         value = loss.detach().to(torch.float32)
         self._loss += value
         self._step_loss += value
@@ -138,31 +161,61 @@ class Metrics:
         self._step_micro += 1
         self._tokens += int(tokens)
 
-    def end_step(self, grad_norm: torch.Tensor | None) -> None:
-        """Close a step: its loss becomes the "last step" figure."""
-        self._last_step_loss, self._last_step_micro = self._step_loss, max(1, self._step_micro)
-        self._step_loss, self._step_micro = self._zero.clone(), 0
-        self._grad_norm = grad_norm
+    def add_tokens(self, tokens: int) -> None:
+        """Count tokens processed by this rank (any granularity: batch or micro-batch), for
+        loops that do not :meth:`record` losses. No host sync."""
+        self._tokens += int(tokens)
 
-    def collect(self, *, step: int, scaler: Any = None, stop: bool = False) -> WindowStats:
-        """Reduce the window across ranks and start a new one. Collective on every rank.
-
-        One ``all_reduce`` (SUM over loss sums, counts, tokens, stop flags) and one host sync
-        (``.tolist()``) for all of them; the scaler's scale and skip counter cost one sync each.
+    def end_step(self, grad_norm: torch.Tensor | float | None = None, scaler: Any = None) -> None:
+        """Close one optimizer step (call it after the scaler's ``update()``). No host sync.
 
         Args:
-            step: optimizer steps completed, for the record.
+            grad_norm: the step's total gradient norm before clipping (unscaled), if it clipped;
+                the window reports the last one.
+            scaler: the loss scaler; its on-device ``last_step_skipped`` flag is added on device
+                so the first window's overflow rate needs no extra sync (see :meth:`collect`).
+                ``None`` or a disabled scaler: nothing is flagged.
+        """
+        # The step's mean micro-batch loss becomes the "last step" figure.
+        self._last_step_loss, self._last_step_micro = self._step_loss, max(1, self._step_micro)
+        self._step_loss, self._step_micro = self._zero.clone(), 0
+        self._steps += 1
+        self._steps_total += 1
+        if grad_norm is not None:
+            self._norm = torch.as_tensor(grad_norm).detach().to(self.device, torch.float32)
+        if _enabled(scaler):
+            self._flags_fed = True
+            flag = getattr(scaler, "last_step_skipped", None)  # torch's GradScaler has none
+            if isinstance(flag, torch.Tensor):
+                self._flagged += flag.to(self.device, torch.float32)
+
+    def collect(
+        self, *, step: int | None = None, scaler: Any = None, stop: bool = False
+    ) -> WindowStats:
+        """Reduce the window across ranks and start a new one. Collective when a process group
+        is up: call it on every rank at the same step.
+
+        One ``all_reduce`` (SUM over loss sums, counts, tokens, stop flags, last loss, norm) and
+        one host sync (``.tolist()``) for all of them; the scaler's skip counter and scale cost
+        one sync each (its public getters).
+
+        The overflow rate is computed here and nowhere else: skipped steps in the window over
+        steps in the window. Skips in the window are the growth of the scaler's skip counter,
+        the very number ``skipped_steps`` reports, so the two never disagree. The counter at the
+        window's start is the one read at the previous ``collect``; in the first window, the
+        counter minus the skips flagged at this window's steps when :meth:`end_step` was given
+        the scaler (so a count restored from a checkpoint is not charged to this window), else
+        0 (a fresh scaler).
+
+        Args:
+            step: optimizer steps completed, for the record; ``None``: the steps fed so far.
             scaler: the loss scaler (or ``None``) to read the scale and skip count from.
             stop: this rank's wish to stop; the result's ``stop`` is true if any rank wished it,
                 so every rank leaves its loop at the same step.
         """
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
         last = self._last_step_loss / self._last_step_micro
-        norm = (
-            self._grad_norm.to(self.device, torch.float32)
-            if self._grad_norm is not None
-            else self._zero
-        )
+        norm = self._norm if self._norm is not None else self._zero
         packed = torch.stack(
             [
                 self._loss,
@@ -177,93 +230,42 @@ class Metrics:
         if dist.is_available() and dist.is_initialized():
             world = dist.get_world_size()
             if world > 1:
-                dist.all_reduce(packed)
-        loss_sum, micro, tokens, stops, last_sum, norm_sum = packed.tolist()  # host sync: logging
-        enabled = scaler is not None and scaler.is_enabled()
-        skipped = int(scaler.skipped_steps) if enabled else 0  # host sync: logging
-        if self._skips_seen is None:  # first window: everything so far (see WindowStats)
-            window_skips, window_steps = skipped, step
-        else:
-            window_skips, window_steps = skipped - self._skips_seen, step - self._steps_seen
-        self._skips_seen, self._steps_seen = skipped, step
+                dist.all_reduce(packed)  # the window's one collective
+        # The skip flags stay out of the sum (they are this rank's, like its scaler's counter)
+        # but ride along in the same read.
+        host = torch.cat([packed, self._flagged.reshape(1)]).tolist()  # host sync: logging
+        loss_sum, micro_sum, token_sum, stops, last_sum, norm_sum, flagged = host
+        enabled = _enabled(scaler)
+        # torch's GradScaler has no skip counter: it then counts as never skipping.
+        skipped = int(getattr(scaler, "skipped_steps", 0)) if enabled else 0  # host sync
         stats = WindowStats(
-            step=step,
-            loss=loss_sum / max(micro, 1.0),
+            step=self._steps_total if step is None else step,
+            loss=loss_sum / max(micro_sum, 1.0),
             last_loss=last_sum / world,
             loss_scale=float(scaler.get_scale()) if enabled else 1.0,  # host sync: logging
             skipped_steps=skipped,
-            tokens_per_s=tokens / elapsed,
-            grad_norm=norm_sum / world if self._grad_norm is not None else None,
+            tokens_per_s=token_sum / elapsed,
+            grad_norm=norm_sum / world if self._norm is not None else None,
             stop=stops > 0,
-            overflow_rate=window_skips / window_steps if window_steps > 0 else 0.0,
+            overflow_rate=self._overflow_rate(skipped, round(flagged)),
         )
         self._reset_window()
         return stats
 
-
-class ProgressPrinter:
-    """Rank 0's view: a progress line on stderr, and each window appended to a JSONL file.
-
-    On a terminal the line is redrawn in place every step; elsewhere (CI logs, SLURM output) one
-    line is printed per logging step, so logs stay readable.
-    """
-
-    def __init__(
-        self, total_steps: int, *, jsonl: str | Path | None = None, stream: TextIO | None = None
-    ) -> None:
-        self.total = max(1, total_steps)
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.jsonl = Path(jsonl) if jsonl is not None else None
-        self._last = ""
-
-    def _bar(self, step: int) -> str:
-        width = 24
-        filled = int(width * min(step, self.total) / self.total)
-        return f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total}"
-
-    def step(self, step: int) -> None:
-        """Redraw the progress line (terminals only)."""
-        if self.tty:
-            self.stream.write(f"\r{self._bar(step)} {self._last}\x1b[K")
-            self.stream.flush()
-
-    def log(self, stats: WindowStats) -> None:
-        """Show a collected window and append it to the JSONL file."""
-        self._last = (
-            f"loss {stats.loss:.4f} | scale {stats.loss_scale:g} | skipped {stats.skipped_steps}"
-            f" | {stats.tokens_per_s:,.0f} tok/s"
-        )
-        if self.tty:
-            self.step(stats.step)
-            if stats.overflow:
-                self.stream.write(f"\n  {stats.overflow}\n")
-        else:
-            self.stream.write(f"{self._bar(stats.step)} {self._last}\n")
-            if stats.overflow:
-                self.stream.write(f"  {stats.overflow}\n")
-            self.stream.flush()
-        if self.jsonl is not None:
-            self.jsonl.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.jsonl, "a") as f:
-                f.write(json.dumps(stats.as_dict()) + "\n")
-
-    def close(self) -> None:
-        """End the in-place line so that later output starts on a fresh line."""
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+    def _overflow_rate(self, skipped: int, flagged: int) -> float:
+        """Skipped steps / steps in the closing window (the rule is in :meth:`collect`)."""
+        if self._skips_base is None:
+            self._skips_base = skipped - flagged if self._flags_fed else 0
+        in_window, self._skips_base = skipped - self._skips_base, skipped
+        return in_window / self._steps if self._steps else 0.0
 
 
-class AMPMetrics:
-    """Mixed-precision health of a loop distamp does not drive (Accelerate, Lightning).
-
-    Call :meth:`step` after each optimizer step (after the scaler's ``update``) and
-    :meth:`add_tokens` per micro-batch; neither syncs with the device nor communicates, so they
-    cost nothing at every step. :meth:`compute` at the logging interval packs the window into one
-    tensor, reduces it with ONE collective and reads it with ONE host sync (plus one each for the
-    scaler's scale and skip counter), and returns a plain dict for a writer
-    (:mod:`distamp.metrics_writers`) or a framework's own logger.
+class AMPMetrics(Metrics):
+    """The reducer for loops distamp does not drive (Accelerate, Lightning), under the names
+    those integrations expose: :meth:`step` after each optimizer step (after the scaler's
+    ``update``), :meth:`add_tokens` per batch, and :meth:`compute` at the logging interval for a
+    plain dict that a writer (:mod:`distamp.metrics_writers`) or a framework's own logger takes.
+    Only the names differ from :class:`Metrics`; the figures are computed by the same code.
 
     Args:
         device: where the counters live (the device the scaler's flags are on).
@@ -271,42 +273,13 @@ class AMPMetrics:
 
     KEYS = ("loss_scale", "skipped_steps", "overflow_rate", "grad_norm", "tokens_per_s", "steps")
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)
-        self._zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._reset()
-
-    def _reset(self) -> None:
-        self._skips = self._zero.clone()
-        self._steps = 0
-        self._tokens = 0
-        self._norm: torch.Tensor | None = None
-        self._t0 = time.perf_counter()
-
-    def add_tokens(self, tokens: int) -> None:
-        """Count tokens processed by this rank (any granularity: batch or micro-batch)."""
-        self._tokens += int(tokens)
-
     def step(self, scaler: Any = None, grad_norm: torch.Tensor | float | None = None) -> None:
-        """Record one optimizer step. No host sync.
-
-        Args:
-            scaler: the loss scaler after ``update()``; its ``last_step_skipped`` tensor (if it
-                has one) is added on device. ``None`` or a disabled scaler: never skipped.
-            grad_norm: the total gradient norm of the step before clipping (unscaled), if
-                clipping ran; the window reports the last one.
-        """
-        self._steps += 1
-        if scaler is not None and scaler.is_enabled():
-            flag = getattr(scaler, "last_step_skipped", None)
-            if isinstance(flag, torch.Tensor):
-                self._skips += flag.to(self.device, torch.float32)
-        if grad_norm is not None:
-            self._norm = torch.as_tensor(grad_norm).detach().to(self.device, torch.float32)
+        """Record one optimizer step: :meth:`Metrics.end_step`. No host sync."""
+        self.end_step(grad_norm, scaler)
 
     def compute(self, scaler: Any = None) -> dict[str, float | int | None]:
-        """Close the window and return its figures. Collective when a process group is up: call
-        it on every rank at the same step.
+        """Close the window and return its figures: :meth:`Metrics.collect`, as a dict.
+        Collective when a process group is up: call it on every rank at the same step.
 
         Returns:
             ``loss_scale`` (1.0 without a scaler), ``skipped_steps`` (since the start),
@@ -314,26 +287,13 @@ class AMPMetrics:
             in the window, mean over ranks; ``None`` without clipping), ``tokens_per_s`` (all
             ranks) and ``steps`` (in the window).
         """
-        elapsed = max(time.perf_counter() - self._t0, 1e-9)
-        norm = self._norm if self._norm is not None else self._zero
-        packed = torch.stack([self._skips, norm, self._zero + self._tokens])
-        world = 1
-        if dist.is_available() and dist.is_initialized():
-            world = dist.get_world_size()
-            if world > 1:
-                dist.all_reduce(packed)  # the one collective of the window
-        skips, norm_sum, tokens = packed.tolist()  # host sync: logging only
-        enabled = scaler is not None and scaler.is_enabled()
-        steps = self._steps
-        out: dict[str, float | int | None] = {
-            "loss_scale": float(scaler.get_scale()) if enabled else 1.0,  # host sync: logging
-            "skipped_steps": int(getattr(scaler, "skipped_steps", 0)) if enabled else 0,
-            # every rank took the same skip decision: the sum over ranks counts each skip world
-            # times (a rank-local scaler would show up here as a non-integer rate).
-            "overflow_rate": (skips / world) / steps if steps else 0.0,
-            "grad_norm": norm_sum / world if self._norm is not None else None,
-            "tokens_per_s": tokens / elapsed,
+        steps = self.window_steps  # before collect() opens the next window
+        stats = self.collect(scaler=scaler)
+        return {
+            "loss_scale": stats.loss_scale,
+            "skipped_steps": stats.skipped_steps,
+            "overflow_rate": stats.overflow_rate,
+            "grad_norm": stats.grad_norm,
+            "tokens_per_s": stats.tokens_per_s,
             "steps": steps,
         }
-        self._reset()
-        return out

@@ -1,36 +1,134 @@
-"""Writers for metric dicts: JSON lines (default, no dependency) and TensorBoard (optional).
+"""Where the reduced figures go: pluggable writers behind one small interface.
 
-Both take the plain dicts that :meth:`distamp.metrics.AMPMetrics.compute` and
-:meth:`distamp.metrics.WindowStats.as_dict` return, so one logging call serves the engine and the
-integrations. Writers write on rank 0 only by default: every rank holds the same reduced figures,
-and N ranks appending to one file would interleave lines.
+Every writer has ``write(step, metrics)`` and ``close()`` (:class:`MetricsWriter`), and takes
+the plain dicts that :meth:`distamp.metrics.WindowStats.as_dict` and
+:meth:`distamp.metrics.AMPMetrics.compute` return, so one logging call serves the engine and the
+integrations. Writers hold no figures of their own: the numbers are computed once, by the reducer
+in :mod:`distamp.metrics`, and a writer only formats them.
+
+- :class:`ConsoleWriter`: a progress line on stderr;
+- :class:`JSONLWriter`: one JSON object per window in a file (default, no dependency);
+- :class:`TensorBoardWriter`: one scalar per figure (optional dependency).
+
+:class:`ProgressPrinter` bundles a console line and an optional JSONL file for the engine's
+``on_log``/``on_step`` callbacks. Writers write on rank 0 only by default: every rank holds the
+same reduced figures, and N ranks appending to one file would interleave lines.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import torch.distributed as dist
 
-__all__ = ["JSONLWriter", "MetricsWriter", "TensorBoardWriter", "make_writer"]
+if TYPE_CHECKING:
+    from distamp.metrics import WindowStats
+
+__all__ = [
+    "ConsoleWriter",
+    "JSONLWriter",
+    "MetricsWriter",
+    "ProgressPrinter",
+    "TensorBoardWriter",
+    "make_writer",
+]
 
 
 class MetricsWriter(Protocol):
-    """What the integrations and examples call."""
+    """What the integrations, the examples and :class:`ProgressPrinter` call."""
 
-    def write(self, step: int, metrics: Mapping[str, Any]) -> None: ...
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record one window's figures at optimizer step ``step``. No device work: the figures
+        are Python values already."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release what the writer holds (files, event writers); later writes are dropped or
+        reopen, as the writer documents."""
 
 
 def _is_writer_rank(rank_zero_only: bool) -> bool:
     if not rank_zero_only or not (dist.is_available() and dist.is_initialized()):
         return True
     return dist.get_rank() == 0
+
+
+# (key, format) pairs of the console line, in display order; a key a dict lacks is left out.
+_CONSOLE_FIELDS = (
+    ("loss", "loss {:.4f}"),
+    ("loss_scale", "scale {:g}"),
+    ("skipped_steps", "skipped {}"),
+    ("tokens_per_s", "{:,.0f} tok/s"),
+)
+
+
+class ConsoleWriter:
+    """A progress line: a bar (given the run's length) and the window's loss, scale, skips and
+    throughput, plus the overflow report when the window has one.
+
+    On a terminal the line is redrawn in place (:meth:`step` every step); elsewhere (CI logs,
+    SLURM output) one line is printed per written window, so logs stay readable.
+
+    Args:
+        total_steps: the step the run ends at, for the bar; ``None``: no bar, the step number.
+        stream: where to print (stderr by default).
+        rank_zero_only: print only on rank 0 of the default process group.
+    """
+
+    def __init__(
+        self,
+        total_steps: int | None = None,
+        *,
+        stream: TextIO | None = None,
+        rank_zero_only: bool = True,
+    ) -> None:
+        self.total = None if total_steps is None else max(1, total_steps)
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.active = _is_writer_rank(rank_zero_only)
+        self._last = ""
+
+    def _bar(self, step: int) -> str:
+        if self.total is None:
+            return f"step {step}"
+        width = 24
+        filled = int(width * min(step, self.total) / self.total)
+        return f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total}"
+
+    def step(self, step: int) -> None:
+        """Redraw the progress line (terminals only)."""
+        if self.active and self.tty:
+            self.stream.write(f"\r{self._bar(step)} {self._last}\x1b[K")
+            self.stream.flush()
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Show a window's loss, scale, skips and tokens/s (those of them ``metrics`` has) and
+        its ``overflow`` report, if any."""
+        if not self.active:
+            return
+        self._last = " | ".join(
+            fmt.format(metrics[key]) for key, fmt in _CONSOLE_FIELDS if metrics.get(key) is not None
+        )
+        overflow = metrics.get("overflow")
+        if self.tty:
+            self.step(step)
+            if overflow:
+                self.stream.write(f"\n  {overflow}\n")
+        else:
+            self.stream.write(f"{self._bar(step)} {self._last}\n")
+            if overflow:
+                self.stream.write(f"  {overflow}\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        """End the in-place line so that later output starts on a fresh line."""
+        if self.active and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 class JSONLWriter:
@@ -113,8 +211,8 @@ class TensorBoardWriter:
 
 
 def make_writer(kind: str = "jsonl", path: str | Path = "metrics.jsonl") -> MetricsWriter:
-    """Build a writer by name: ``"jsonl"`` (``path`` is the file) or ``"tensorboard"``
-    (``path`` is the log folder).
+    """Build a writer by name: ``"jsonl"`` (``path`` is the file), ``"tensorboard"``
+    (``path`` is the log folder) or ``"console"`` (stderr; ``path`` is not used).
 
     Raises:
         ValueError: an unknown ``kind``.
@@ -123,4 +221,53 @@ def make_writer(kind: str = "jsonl", path: str | Path = "metrics.jsonl") -> Metr
         return JSONLWriter(path)
     if kind == "tensorboard":
         return TensorBoardWriter(path)
-    raise ValueError(f"kind={kind!r} is not a metrics writer: use 'jsonl' or 'tensorboard'")
+    if kind == "console":
+        return ConsoleWriter()
+    raise ValueError(
+        f"kind={kind!r} is not a metrics writer: use 'jsonl', 'tensorboard' or 'console'"
+    )
+
+
+class ProgressPrinter:
+    """Rank 0's view of an engine run: a :class:`ConsoleWriter` progress line on stderr and,
+    with ``jsonl``, each window appended to that file by a :class:`JSONLWriter`.
+
+    Pass :meth:`log` as the engine's ``on_log`` and :meth:`step` as its ``on_step`` on rank 0
+    only (as ``launch/train.py`` does): the writers it builds therefore do not check the rank
+    again, so that a printer made before the process group exists still writes.
+
+    Args:
+        total_steps: the step the run ends at, for the bar.
+        jsonl: the JSON-lines file, or ``None`` for none.
+        stream: where the progress line goes (stderr by default).
+        writers: more writers (e.g. a :class:`TensorBoardWriter`) that get every window too.
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        jsonl: str | Path | None = None,
+        stream: TextIO | None = None,
+        writers: Sequence[MetricsWriter] = (),
+    ) -> None:
+        self.console = ConsoleWriter(total_steps, stream=stream, rank_zero_only=False)
+        self.writers: list[MetricsWriter] = [self.console]
+        if jsonl is not None:
+            self.writers.append(JSONLWriter(jsonl, rank_zero_only=False))
+        self.writers.extend(writers)
+
+    def step(self, step: int) -> None:
+        """Redraw the progress line (terminals only)."""
+        self.console.step(step)
+
+    def log(self, stats: WindowStats) -> None:
+        """Hand a collected window to every writer."""
+        record = stats.as_dict()
+        for writer in self.writers:
+            writer.write(stats.step, record)
+
+    def close(self) -> None:
+        """Close every writer (the console's ends its in-place line)."""
+        for writer in self.writers:
+            writer.close()

@@ -107,3 +107,72 @@ def test_tensorboard_writer(tmp_path: Path) -> None:
     assert sorted(acc.Tags()["scalars"]) == ["amp/loss_scale", "amp/skipped_steps"]
     (event,) = acc.Scalars("amp/loss_scale")
     assert (event.step, event.value) == (3, 8.0)
+
+
+def test_first_window_after_restore_counts_only_its_own_skips() -> None:
+    """A skip count restored from a checkpoint is not charged to the first window, and the
+    engine's and the integrations' views of one window agree (one reducer)."""
+    before = DistributedGradScaler("cpu", init_scale=1024.0)
+    _steps(before, {0, 1, 2}, 4, AMPMetrics())
+    scaler = DistributedGradScaler("cpu", init_scale=1024.0)
+    scaler.load_state_dict(before.state_dict())
+    assert scaler.skipped_steps == 3
+    engine, amp = Metrics(torch.device("cpu")), AMPMetrics()
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for k in range(4):
+        loss = p.sum()
+        engine.record(loss, tokens=10)
+        amp.add_tokens(10)
+        scaler.scale(loss).backward()
+        if k == 2:
+            p.grad.fill_(float("inf"))
+        norm = scaler.clip_grad_norm_(opt, 10.0)
+        scaler.step(opt)
+        scaler.update()
+        engine.end_step(norm, scaler)
+        amp.step(scaler, norm)
+        opt.zero_grad()
+    stats, out = engine.collect(step=8, scaler=scaler), amp.compute(scaler)
+    assert stats.overflow_rate == out["overflow_rate"] == 0.25  # 1 of 4, not 4 of 4
+    assert stats.skipped_steps == out["skipped_steps"] == 4
+    assert stats.loss_scale == out["loss_scale"] and stats.grad_norm == out["grad_norm"]
+    assert stats.step == 8 and out["steps"] == 4
+
+
+def test_progress_printer_console_line_and_jsonl(tmp_path: Path) -> None:
+    import io
+
+    from distamp.metrics import WindowStats
+    from distamp.metrics_writers import ProgressPrinter
+
+    stream, path = io.StringIO(), tmp_path / "m.jsonl"
+    printer = ProgressPrinter(8, jsonl=path, stream=stream)
+    stats = WindowStats(
+        step=4, loss=1.23456, last_loss=1.0, loss_scale=1024.0, skipped_steps=1,
+        tokens_per_s=12345.6, grad_norm=float("inf"), stop=False, overflow="fc1.weight: inf",
+        overflow_rate=0.25,
+    )  # fmt: skip
+    printer.step(4)  # not a terminal: nothing until a window is logged
+    printer.log(stats)
+    printer.close()
+    assert stream.getvalue() == (
+        "[############............] 4/8 loss 1.2346 | scale 1024 | skipped 1 | 12,346 tok/s\n"
+        "  fc1.weight: inf\n"
+    )
+    (row,) = [json.loads(x) for x in path.read_text().splitlines()]
+    assert row == {**stats.as_dict(), "grad_norm": None}  # JSONLWriter's record: inf -> null
+
+
+def test_console_writer_takes_an_integration_dict() -> None:
+    import io
+
+    from distamp.metrics_writers import ConsoleWriter
+
+    assert isinstance(make_writer("console"), ConsoleWriter)
+    stream = io.StringIO()
+    w = ConsoleWriter(stream=stream)
+    m = AMPMetrics()
+    m.step(None)
+    w.write(1, m.compute(None))  # no loss in it: that field is left out
+    assert stream.getvalue().startswith("step 1 scale 1 | skipped 0 | ")
