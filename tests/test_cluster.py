@@ -20,11 +20,11 @@ from distamp.cluster import (
     LAUNCHERS,
     DistEnv,
     RendezvousError,
-    _describe_live_group,
     detect_environment,
     expand_nodelist,
     init_distributed,
 )
+from distamp.cluster.rendezvous import _describe_live_group
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "allreduce.py"
@@ -426,7 +426,7 @@ def test_rendezvous_timeout_when_main_process_is_absent() -> None:
 
 def test_watchdog_ends_a_hang() -> None:
     code = (
-        "import time; from distamp.cluster import _watchdog\n"
+        "import time; from distamp.cluster.rendezvous import _watchdog\n"
         "with _watchdog(0.5, 'rendezvous at h:1 stuck'):\n    time.sleep(60)\n"
     )
     start = time.monotonic()
