@@ -24,6 +24,8 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
+from distamp.cluster import is_distributed
+
 __all__ = ["AMPMetrics", "Metrics", "ProgressPrinter", "StepResult", "WindowStats"]
 
 
@@ -174,7 +176,7 @@ class Metrics:
             ]
         )
         world = 1
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             world = dist.get_world_size()
             if world > 1:
                 dist.all_reduce(packed)
@@ -318,7 +320,7 @@ class AMPMetrics:
         norm = self._norm if self._norm is not None else self._zero
         packed = torch.stack([self._skips, norm, self._zero + self._tokens])
         world = 1
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             world = dist.get_world_size()
             if world > 1:
                 dist.all_reduce(packed)  # the one collective of the window

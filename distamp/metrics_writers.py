@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from distamp.cluster import is_distributed
+
 __all__ = ["JSONLWriter", "MetricsWriter", "TensorBoardWriter", "make_writer"]
 
 
@@ -28,7 +30,7 @@ class MetricsWriter(Protocol):
 
 
 def _is_writer_rank(rank_zero_only: bool) -> bool:
-    if not rank_zero_only or not (dist.is_available() and dist.is_initialized()):
+    if not rank_zero_only or not is_distributed():
         return True
     return dist.get_rank() == 0
 
