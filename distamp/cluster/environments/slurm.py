@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Mapping
+from typing import NoReturn
 
 from distamp.cluster.dist_env import DistEnv
 from distamp.cluster.environments.base import (
@@ -51,8 +52,10 @@ class Slurm(LauncherEnvironment):
                     f"SLURM_NODEID={node} is out of range for {tasks_var}={env[tasks_var]!r}"
                 )
             env = {**env, tasks_var: str(per_node[node])}
-        else:
+        elif "SLURM_NTASKS_PER_NODE" in env:  # srun sets it only with --ntasks-per-node
             tasks_var = "SLURM_NTASKS_PER_NODE"
+        else:
+            _no_tasks_per_node(env, size_var)
         r, w, lr, lw = read_world(env, "SLURM_PROCID", size_var, "SLURM_LOCALID", tasks_var)
         # The step's node list first: a step may run on a subset of the job's nodes, and rank 0 runs
         # on the first node of its step.
@@ -63,6 +66,21 @@ class Slurm(LauncherEnvironment):
         # steps of one job sharing a node at the same time must set MASTER_PORT.
         port = 10000 + read_int(env, "SLURM_JOB_ID") % 20000 if "SLURM_JOB_ID" in env else None
         return DistEnv(cls.name, r, w, lr, lw, node, address, port)
+
+
+def _no_tasks_per_node(env: Mapping[str, str], size_var: str) -> NoReturn:
+    """Raise for a step that says nothing about its tasks per node, naming what is read.
+
+    A missing or malformed rank variable is reported first, as :func:`read_world` would.
+    """
+    for name in ("SLURM_PROCID", size_var, "SLURM_LOCALID"):
+        read_int(env, name)
+    raise ValueError(
+        "none of SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE or SLURM_NTASKS_PER_NODE is set "
+        "(read in that order; srun sets the first two in every step, the third only with "
+        "--ntasks-per-node): start the tasks with srun, set SLURM_TASKS_PER_NODE to the tasks of "
+        "each node (e.g. '4(x2)'), or name another launcher with DISTAMP_LAUNCHER"
+    )
 
 
 _BRACKETS = re.compile(r"\[([^\[\]]*)\]")
