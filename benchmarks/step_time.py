@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from distamp.cluster import free_port  # noqa: E402
 from distamp.engine import DistAMP  # noqa: E402
 from distamp.policy import parse_precision  # noqa: E402
 from launch.model import GPT, GPTConfig, ShardedText, lm_loss, load_text  # noqa: E402
@@ -112,12 +112,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--precision", default="fp16", help="fp16 | bf16 | fp32")
@@ -129,7 +123,7 @@ def main() -> None:
     args = p.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, args.ranks, port, args, queue))
         for r in range(args.ranks)

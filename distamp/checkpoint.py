@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.cluster import is_distributed
+
 __all__ = [
     "MANIFEST",
     "CheckpointError",
@@ -93,16 +95,12 @@ def _unreadable(path: Path, exc: BaseException, root: Path) -> CheckpointError:
     )
 
 
-def _grouped() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 @contextmanager
 def _single_process_quiet() -> Iterator[None]:
     # Without a process group DCP warns that it "assumes a single process" even when told so
     # with no_dist=True; for distamp that case is intended (one-process runs), not a hazard.
     with warnings.catch_warnings():
-        if not _grouped():
+        if not is_distributed():
             warnings.filterwarnings(
                 "ignore", message=".*assuming the intent is to", category=UserWarning
             )
@@ -110,7 +108,7 @@ def _single_process_quiet() -> Iterator[None]:
 
 
 def _dist() -> tuple[int, int]:
-    if _grouped():
+    if is_distributed():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
@@ -227,7 +225,9 @@ def save_checkpoint(
     _barrier()
     msd, osd = get_state_dict(model, optimizer, options=_state_dict_options())
     with _single_process_quiet():  # DCP fsyncs the files it writes
-        dcp_save({"model": msd, "optim": osd}, checkpoint_id=tmp / "state", no_dist=not _grouped())
+        dcp_save(
+            {"model": msd, "optim": osd}, checkpoint_id=tmp / "state", no_dist=not is_distributed()
+        )
     _save_synced(capture_rng(), tmp / f"rng_{rank}.pt")
     if rank == 0:
         meta = {"format": FORMAT_VERSION, "step": step, "world_size": world}
@@ -334,7 +334,7 @@ def load_checkpoint(
     state: dict[str, Any] = {"model": msd, "optim": osd}
     try:
         with _single_process_quiet():
-            dcp_load(state, checkpoint_id=path / "state", no_dist=not _grouped())
+            dcp_load(state, checkpoint_id=path / "state", no_dist=not is_distributed())
     except (Exception, CheckpointException) as exc:  # the latter is a BaseException
         # DCP has already agreed on the failure across ranks (it gathers every rank's
         # exception), so every rank raises here and none is left waiting in a collective.

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from distamp.cluster import _free_port, detect_environment
+from distamp.cluster import detect_environment, free_port
 
 __all__ = ["LaunchSpec", "build_command", "environment_report", "main", "resolve_launcher"]
 
@@ -270,7 +270,7 @@ def _launch(args: argparse.Namespace) -> int:
     if endpoint is None and {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
         endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"  # explicit ones win
     if endpoint is None and launcher == "mpirun" and args.nnodes == 1:
-        endpoint = f"127.0.0.1:{_free_port()}"  # one node: no need for mpi4py to find rank 0
+        endpoint = f"127.0.0.1:{free_port()}"  # one node: no need for mpi4py to find rank 0
     spec = LaunchSpec(
         launcher=launcher,
         script=args.script,

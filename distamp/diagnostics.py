@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.cluster import is_distributed
 from distamp.topology import local_grad
 
 __all__ = [
@@ -238,7 +239,7 @@ def build_report(
     loss_bad = tracer.loss_was_nonfinite(kept=True) if tracer is not None else None
     rank = 0
     gathered: list[Any] = [(rank, local, forward, loss_bad)]
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         rank = dist.get_rank()
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (rank, local, forward, loss_bad), group=group)

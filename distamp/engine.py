@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.checkpoint import load_checkpoint, save_checkpoint
-from distamp.cluster import named_collective
+from distamp.cluster import init_distributed, is_distributed, named_collective
 from distamp.diagnostics import NonFiniteTracer, ScaleHealth
 from distamp.fp8 import Float8Training
 from distamp.metrics import Metrics, StepResult, WindowStats
@@ -236,7 +236,7 @@ class DistAMP:
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return dist.get_world_size() if is_distributed() else 1
 
     @property
     def model(self) -> nn.Module:
@@ -274,11 +274,9 @@ class DistAMP:
         """
         if self._model is not None:
             raise RuntimeError("DistAMP.setup() was already called: use one DistAMP per model")
-        if not (dist.is_available() and dist.is_initialized()):
-            from distamp.cluster import init_distributed
-
+        if not is_distributed():
             init_distributed(timeout=self.config.timeout)  # a no-op for a single process
-            self._owns_group = dist.is_available() and dist.is_initialized()
+            self._owns_group = is_distributed()
         cfg = self.config
         self.device = cfg.device or (
             torch.device("cuda", torch.cuda.current_device())
@@ -536,7 +534,7 @@ class DistAMP:
             report = self.fp8.annotate(report)
         streak = self.scaler.skip_streak
         text = self._health.check(skipped_in_a_row=streak, scale=stats.loss_scale, report=report)
-        if text is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        if text is not None and (not is_distributed() or dist.get_rank() == 0):
             warnings.warn(text, RuntimeWarning, stacklevel=3)
         return replace(stats, overflow=None if report is None else report.one_line())
 
@@ -550,7 +548,7 @@ class DistAMP:
         without an active exception"); then the process group is destroyed if :meth:`setup`
         created it. The engine cannot train after this. Idempotent.
         """
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             dist.barrier()
         if self.tracer is not None:
             self.tracer.remove()
@@ -559,7 +557,7 @@ class DistAMP:
         self.comm_hook_state = None
         self.scaler = DistributedGradScaler("cpu", enabled=False)  # it held group handles
         gc.collect()
-        if self._owns_group and dist.is_available() and dist.is_initialized():
+        if self._owns_group and is_distributed():
             dist.destroy_process_group()
         self._owns_group = False
 

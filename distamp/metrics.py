@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distamp.cluster import is_distributed
 from distamp.metrics_writers import ProgressPrinter  # re-exported: the name's old home
 
 __all__ = ["AMPMetrics", "Metrics", "ProgressPrinter", "StepResult", "WindowStats"]
@@ -227,7 +228,7 @@ class Metrics:
             ]
         )
         world = 1
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             world = dist.get_world_size()
             if world > 1:
                 dist.all_reduce(packed)  # the window's one collective

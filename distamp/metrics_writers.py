@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import torch.distributed as dist
 
+from distamp.cluster import is_distributed
+
 if TYPE_CHECKING:
     from distamp.metrics import WindowStats
 
@@ -52,7 +54,7 @@ class MetricsWriter(Protocol):
 
 
 def _is_writer_rank(rank_zero_only: bool) -> bool:
-    if not rank_zero_only or not (dist.is_available() and dist.is_initialized()):
+    if not rank_zero_only or not is_distributed():
         return True
     return dist.get_rank() == 0
 

@@ -40,23 +40,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.cluster import is_distributed
 from distamp.reduction import FlagReducer, GroupSpec
 
 __all__ = [
     "Topology",
     "grad_device",
-    "is_distributed",
+    "is_distributed",  # re-exported from distamp.cluster, where it is defined
     "is_pipeline_stage",
     "local_grad",
     "optimizer_params",
 ]
 
 _NOOP = FlagReducer((), None)
-
-
-def is_distributed() -> bool:
-    """Whether a torch.distributed default group is up."""
-    return dist.is_available() and dist.is_initialized()
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -16,12 +15,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from distamp.cluster import free_port
 
-def free_port() -> int:
-    """A TCP port on loopback that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["free_port", "run_ranks"]  # free_port: re-exported for the tests that import it here
 
 
 def _worker(

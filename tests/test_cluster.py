@@ -20,11 +20,11 @@ from distamp.cluster import (
     LAUNCHERS,
     DistEnv,
     RendezvousError,
-    _describe_live_group,
     detect_environment,
     expand_nodelist,
     init_distributed,
 )
+from distamp.cluster.rendezvous import _describe_live_group
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "allreduce.py"
@@ -51,6 +51,8 @@ SRUN = {
     "SLURM_TASKS_PER_NODE": "4(x2)",
     "SLURM_JOB_NODELIST": "gpu[007-008]",
 }
+# A step whose environment lost the tasks-per-node variable srun sets (a hand-copied environment).
+SRUN_NO_TASKS = {k: v for k, v in SRUN.items() if k != "SLURM_TASKS_PER_NODE"}
 TORCHRUN = {
     "TORCHELASTIC_RUN_ID": "abc",
     "RANK": "3",
@@ -102,6 +104,11 @@ DETECT_CASES = [
             "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
         },
         ("slurm", 1, 2, 0, 1, 1, "gpu007", 13456),
+    ),
+    (
+        "srun-ntasks-per-node-fallback",  # srun sets it with --ntasks-per-node
+        {**SRUN_NO_TASKS, "SLURM_NTASKS_PER_NODE": "4"},
+        ("slurm", 5, 8, 1, 4, 1, "gpu007", 13456),
     ),
     (
         "srun-mpi-pmi2",
@@ -216,6 +223,22 @@ ERROR_CASES = [
     ("slurm-job-id", {**SRUN, "SLURM_JOB_ID": "12_3"}, r"SLURM_JOB_ID='12_3' is not an integer"),
     ("slurm-tasks-format", {**SRUN, "SLURM_TASKS_PER_NODE": "4x2"}, r"SLURM_TASKS_PER_NODE='4x2'"),
     ("slurm-node-id", {**SRUN, "SLURM_NODEID": "2"}, r"SLURM_NODEID=2 is out of range"),
+    (
+        "slurm-no-tasks-per-node",  # names what is read, in order, and the fix
+        SRUN_NO_TASKS,
+        r"^none of SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE or SLURM_NTASKS_PER_NODE is "
+        r"set .*start the tasks with srun, set SLURM_TASKS_PER_NODE",
+    ),
+    (
+        "slurm-no-tasks-per-node-rank-first",  # a broken rank variable is still reported first
+        {**SRUN_NO_TASKS, "SLURM_PROCID": "five"},
+        r"SLURM_PROCID='five' is not an integer",
+    ),
+    (
+        "slurm-ntasks-per-node-format",  # the fallback holds one count, not the list form
+        {**SRUN_NO_TASKS, "SLURM_NTASKS_PER_NODE": "4(x2)"},
+        r"SLURM_NTASKS_PER_NODE='4\(x2\)' is not an integer",
+    ),
     ("slurm-bad-nodelist", {**SRUN, "SLURM_JOB_NODELIST": "n[1-"}, r"node list 'n\[1-'"),
     (
         "forced-slurm-missing",
@@ -426,7 +449,7 @@ def test_rendezvous_timeout_when_main_process_is_absent() -> None:
 
 def test_watchdog_ends_a_hang() -> None:
     code = (
-        "import time; from distamp.cluster import _watchdog\n"
+        "import time; from distamp.cluster.rendezvous import _watchdog\n"
         "with _watchdog(0.5, 'rendezvous at h:1 stuck'):\n    time.sleep(60)\n"
     )
     start = time.monotonic()

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.cluster import is_distributed
 from distamp.policy import AutocastPolicy
 from distamp.strategies.comm_hooks import COMM_HOOKS, register_comm_hook
 from distamp.strategies.ddp import apply_ddp
@@ -107,7 +108,7 @@ def apply_strategy(
         )
     if strategy == "none":
         return model
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         raise ValueError(
             f"strategy={strategy!r} needs a torch.distributed process group: start the job with "
             "a launcher (torchrun, mpirun, srun, `distamp launch`) and call "

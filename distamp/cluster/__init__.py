@@ -1,0 +1,34 @@
+"""Which launcher started this process, joining the process group it implies, and collectives
+that name what was waiting when a peer stops answering.
+
+- :mod:`~distamp.cluster.detection`: :func:`detect_environment`, a pure function of an
+  environment mapping (one module per launcher family in :mod:`~distamp.cluster.environments`,
+  tried in the order of :data:`~distamp.cluster.detection.ENVIRONMENTS`).
+- :mod:`~distamp.cluster.rendezvous`: :func:`init_distributed`, whose rendezvous always ends, in
+  success or in a :class:`RendezvousError` naming the address, the port, the launcher and the
+  fix; :func:`shutdown_distributed`.
+- :mod:`~distamp.cluster.collectives`: :func:`named_collective`, :func:`is_distributed`.
+"""
+
+from __future__ import annotations
+
+from distamp.cluster.collectives import CollectiveTimeoutError, is_distributed, named_collective
+from distamp.cluster.detection import LAUNCHERS, detect_environment
+from distamp.cluster.dist_env import DistEnv
+from distamp.cluster.environments.slurm import expand_nodelist
+from distamp.cluster.main_address import free_port
+from distamp.cluster.rendezvous import RendezvousError, init_distributed, shutdown_distributed
+
+__all__ = [
+    "LAUNCHERS",
+    "DistEnv",
+    "CollectiveTimeoutError",
+    "RendezvousError",
+    "detect_environment",
+    "expand_nodelist",
+    "free_port",
+    "init_distributed",
+    "is_distributed",
+    "named_collective",
+    "shutdown_distributed",
+]

@@ -1,0 +1,197 @@
+"""Joining the process group a :class:`DistEnv` describes, and leaving it.
+
+:func:`init_distributed` turns a detected environment into a process group whose rendezvous
+always ends, in success or in a :class:`RendezvousError` naming the address, the port, the
+launcher and the fix.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distamp.cluster.collectives import is_distributed
+from distamp.cluster.detection import detect_environment
+from distamp.cluster.dist_env import DistEnv
+from distamp.cluster.main_address import share_main_address
+
+__all__ = ["RendezvousError", "init_distributed", "shutdown_distributed"]
+
+
+class RendezvousError(RuntimeError):
+    """The ranks did not meet within the timeout (or could not reach the main address)."""
+
+
+def init_distributed(
+    env: DistEnv | None = None,
+    backend: str | None = None,
+    timeout: timedelta | float = 300.0,
+) -> DistEnv:
+    """Join the default process group that ``env`` (default: :func:`detect_environment`) describes.
+
+    NCCL when CUDA is available, else gloo; on CUDA the device is set from ``local_rank`` first, so
+    NCCL and every later ``.cuda()`` use this process's GPU. A single process (launcher
+    ``"single"``) gets NO process group: distamp then behaves exactly like plain torch and no port
+    is opened (a world of one with a real group is what ``torchrun --nproc-per-node 1`` gives).
+
+    Idempotent: when a group already exists nothing is initialized again and the environment is
+    returned (or, if it does not describe that group, a description of the live group).
+
+    Args:
+        env: where this process sits; detected from ``os.environ`` when ``None``.
+        backend: a ``torch.distributed`` backend string, to override the choice above.
+        timeout: bound on the rendezvous (and torch's default for collectives), seconds or
+            timedelta.
+
+    Returns:
+        The environment, with the main address and port filled in when MPI had to provide them.
+
+    Raises:
+        RendezvousError: the ranks did not meet within ``timeout``.
+        ImportError: an MPI launcher gave no main address and mpi4py is not installed.
+    """
+    env = detect_environment() if env is None else env
+    if is_distributed():
+        return _describe_live_group(env, dist.get_rank(), dist.get_world_size())
+    if not env.is_distributed:
+        return env
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed; install a build with it")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if env.local_rank < count:
+            torch.cuda.set_device(env.local_rank)
+        elif count == 1:  # one visible GPU per process (SLURM --gpus-per-task): it is this rank's
+            torch.cuda.set_device(0)
+        elif "nccl" in backend:
+            raise ValueError(
+                f"local rank {env.local_rank} has no GPU: only {count} are visible on this node; "
+                "start at most one process per GPU"
+            )
+    if env.main_address is None or env.main_port is None:
+        env = share_main_address(env)
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    host = f"[{env.main_address}]" if ":" in str(env.main_address) else env.main_address
+    message = _rendezvous_message(env, seconds)
+    # torch 2.13 bounds both sides of the TCPStore rendezvous (measured with timeout=5: rank 0 alone
+    # fails after 6 s, a client with no server after 10 s as it retries once). The watchdog is the
+    # last resort where torch does not (an older torch, a stuck name lookup): a process that exits
+    # can be restarted by its launcher, one that hangs holds the whole job.
+    with _watchdog(2 * seconds + 60, message):
+        try:
+            store = _elastic_round_store(env, seconds)
+            if store is None:
+                dist.init_process_group(
+                    backend,
+                    init_method=f"tcp://{host}:{env.main_port}",  # not env://: rereads os.environ
+                    rank=env.rank,
+                    world_size=env.world_size,
+                    timeout=timedelta(seconds=seconds),
+                )
+            else:
+                dist.init_process_group(
+                    backend,
+                    store=store,
+                    rank=env.rank,
+                    world_size=env.world_size,
+                    timeout=timedelta(seconds=seconds),
+                )
+        except (dist.DistError, RuntimeError, TimeoutError) as exc:
+            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RendezvousError(f"{message} (cause: {cause})") from exc
+    return env
+
+
+def _elastic_round_store(env: DistEnv, seconds: float) -> Any:
+    """Under torchrun's shared agent store: a client of it, private to this restart round.
+
+    torchrun (checked on torch 2.13) keeps ONE TCPStore for the whole job and hands every round's
+    workers the same address, without a per-round key prefix. After a restart, the new workers
+    then find the keys the killed round wrote (gloo peer addresses, barrier counters) and read
+    them as their own: "connectFullMesh ... Connection refused" against a dead peer's port, or a
+    hang on a counter that is already past. A prefix with the run id and the restart count gives
+    every round fresh keys. ``None`` when the agent store is not in use (plain tcp:// then).
+    Reads ``os.environ`` (never writes it): these variables are torchrun's, not the launcher
+    description :class:`DistEnv` holds.
+    """
+    if env.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    assert env.main_address is not None and env.main_port is not None
+    client = dist.TCPStore(
+        env.main_address,
+        env.main_port,
+        env.world_size,
+        is_master=False,
+        timeout=timedelta(seconds=seconds),
+    )
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"distamp/{run_id}/attempt_{attempt}/", client)
+
+
+def _rendezvous_message(env: DistEnv, seconds: float) -> str:
+    return (
+        f"distributed rendezvous failed: rank {env.rank} of {env.world_size} (launcher "
+        f"{env.launcher!r}) did not meet the others at {env.main_address}:{env.main_port} within "
+        f"{seconds:g} s. Check that all {env.world_size} processes started (see the launcher's "
+        "log), that MASTER_ADDR/MASTER_PORT name a host reachable from every node and a free port, "
+        "or raise init_distributed(timeout=...)"
+    )
+
+
+@contextmanager
+def _watchdog(seconds: float, message: str) -> Iterator[None]:
+    """Exit the process with ``message`` if the body is still running after ``seconds``."""
+
+    def expire() -> None:
+        # A thread can't interrupt the main thread's C++ call, but it can end the process: torch's
+        # rendezvous releases the GIL while it waits, so this runs.
+        os.write(2, f"distamp: {message} (watchdog after {seconds:g} s)\n".encode())
+        os._exit(1)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _describe_live_group(env: DistEnv, rank: int, world_size: int) -> DistEnv:
+    """``env`` if it describes the group that is already initialized; see init_distributed."""
+    if (env.rank, env.world_size) == (rank, world_size):
+        return env
+    if env.is_distributed:
+        raise RuntimeError(
+            f"a process group is already initialized as rank {rank} of {world_size}, but launcher "
+            f"{env.launcher!r} says rank {env.rank} of {env.world_size}: initialize it once, from "
+            "the launcher's environment (call init_distributed() before anything else does)"
+        )
+    # The user built the group themselves (e.g. mp.spawn + init_process_group) without launcher
+    # variables: describe it as one node, the only layout such a setup can imply.
+    return DistEnv("external", rank, world_size, rank, world_size, 0, None, None)
+
+
+def shutdown_distributed() -> None:
+    """End the job's process group cleanly. Collective: call on every rank, last.
+
+    A barrier (no rank tears down while a peer still sends), a garbage collection, then the group
+    is destroyed. Drop your references to DDP/FSDP-wrapped models and their optimizers first:
+    they hold the group, and a group that is only freed during interpreter shutdown can abort
+    the process with "terminate called without an active exception" (gloo's threads, seen with
+    torch 2.13 on CPU). A no-op when no group is initialized.
+    """
+    if is_distributed():
+        dist.barrier()
+        gc.collect()
+        dist.destroy_process_group()
