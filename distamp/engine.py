@@ -11,11 +11,8 @@ counters in :mod:`distamp.metrics`.
 from __future__ import annotations
 
 import gc
-import math
-import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,9 +22,24 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.checkpoint import load_checkpoint, save_checkpoint
-from distamp.cluster import init_distributed, is_distributed, named_collective
+from distamp.cluster import (
+    init_distributed,
+    is_distributed,
+    named_collective,
+    shutdown_distributed,
+)
 from distamp.diagnostics import NonFiniteTracer, ScaleHealth
+from distamp.engine_config import (
+    AMPConfig,
+    OptimizerArg,
+    SchedulerArg,
+    check_setup,
+    make_scaler,
+    parse_device,
+    training_device,
+)
 from distamp.fp8 import Float8Training
+from distamp.loop import pipeline_loss_fn, run_pipeline_step, train_loop
 from distamp.metrics import Metrics, StepResult, WindowStats
 from distamp.policy import (
     AutocastPolicy,
@@ -39,9 +51,7 @@ from distamp.policy import (
 )
 from distamp.scaler import DistributedGradScaler
 from distamp.strategies import (
-    COMM_HOOKS,
     SHARDED,
-    STRATEGIES,
     apply_strategy,
     gradient_sync_disabled,
     is_parallelised,
@@ -52,90 +62,6 @@ from distamp.strategies import (
 from distamp.topology import is_pipeline_stage
 
 __all__ = ["AMPConfig", "DistAMP", "StepResult"]
-
-OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-SchedulerArg = Any  # an LRScheduler-like object (has .step), a factory `opt -> scheduler`, or None
-
-
-def make_scaler(device_type: str, enabled: bool) -> DistributedGradScaler:
-    """The engine's default scaler: rank-consistent skips (see :mod:`distamp.scaler`). When the
-    precision needs no loss scaling (bf16, fp32) it only checks: nothing is scaled, yet a step
-    with an inf/NaN gradient (a NaN loss, a diverging batch) is skipped on every rank instead of
-    writing NaN into the parameters. ``enabled=False`` is used only as a placeholder."""
-    return DistributedGradScaler(device=device_type, check_only=not enabled)
-
-
-@dataclass(frozen=True, kw_only=True)
-class AMPConfig:
-    """Validated settings of :class:`DistAMP` (see there for each field)."""
-
-    precision: Precision
-    strategy: str = "auto"
-    policy: AutocastPolicy | None = None
-    comm_hook: str | None = None
-    hsdp_shard_size: int | None = None
-    mesh: Any = None
-    grad_accum_steps: int = 1
-    max_grad_norm: float | None = None
-    scaler: DistributedGradScaler | None = None
-    timeout: float = 300.0
-    device: torch.device | None = None
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy={self.strategy!r} is not one of {STRATEGIES}")
-        if self.policy is not None:
-            if not isinstance(self.policy, AutocastPolicy):
-                raise ValueError(
-                    f"policy={self.policy!r} must be a distamp.AutocastPolicy, 'default' or None"
-                )
-            if self.policy.precision != self.precision:
-                raise ValueError(
-                    f"policy={self.policy!r} is for {self.policy.precision}, but "
-                    f"precision={self.precision.name!r}: pass the same precision to both"
-                )
-        if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
-            raise ValueError(f"comm_hook={self.comm_hook!r} is not one of {COMM_HOOKS} or None")
-        if self.comm_hook is not None and self.strategy not in ("auto", "ddp"):
-            raise ValueError(
-                f"comm_hook={self.comm_hook!r} with strategy={self.strategy!r}: comm hooks are "
-                "DDP's; use strategy='ddp' (or 'auto') or comm_hook=None"
-            )
-        n = self.grad_accum_steps
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"grad_accum_steps={n!r} must be an int >= 1")
-        g = self.max_grad_norm
-        if g is not None and (
-            isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0
-        ):
-            raise ValueError(f"max_grad_norm={g!r} must be a finite number > 0, or None")
-        if self.scaler is not None and not isinstance(self.scaler, DistributedGradScaler):
-            raise ValueError(
-                f"scaler={self.scaler!r} must be a distamp.DistributedGradScaler (or None): the "
-                "engine reads its rank-agreed skip decision, which torch's scalers do not provide"
-            )
-        if (
-            isinstance(self.timeout, bool)
-            or not isinstance(self.timeout, (int, float))
-            or not self.timeout > 0
-        ):
-            raise ValueError(f"timeout={self.timeout!r} must be a number of seconds > 0")
-        h = self.hsdp_shard_size
-        if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
-            # Checked here, not when the mesh is built: a bad value must fail before any rank
-            # joins a process group, not inside DeviceMesh on some ranks.
-            raise ValueError(f"hsdp_shard_size={h!r} must be an int >= 1, or None")
-        if self.mesh is not None:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            if not isinstance(self.mesh, DeviceMesh):
-                raise ValueError(f"mesh={self.mesh!r} must be a torch DeviceMesh or None")
-            if self.strategy not in ("auto", "none"):
-                raise ValueError(
-                    f"mesh= with strategy={self.strategy!r}: a mesh means you parallelised the "
-                    "model yourself (parallelize_module, fully_shard, pipeline stages) and the "
-                    "engine wraps nothing; use strategy='auto' or 'none'"
-                )
 
 
 class DistAMP:
@@ -175,6 +101,25 @@ class DistAMP:
         ValueError: a bad setting; the message names the field and echoes the value.
     """
 
+    # What the engine holds, set in __init__ and completed by setup().
+    config: AMPConfig  # the validated settings
+    strategy: str  # resolved at setup(): "none", "ddp", "fsdp", "fsdp2" or "hsdp"
+    mp_owner: MPOwner  # who casts: "autocast", "fsdp" or "none" (policy.select_mp_owner)
+    device: torch.device  # the training device, resolved at setup()
+    scaler: DistributedGradScaler  # rank-agreed skips; check-only for bf16/fp32/fp8
+    scheduler: Any  # the LR scheduler, stepped only after a real optimizer step
+    metrics: Metrics  # on-device window counters, reduced at logging steps
+    tracer: NonFiniteTracer | None  # forward non-finite tracing (trace_nonfinite=True)
+    fp8: Float8Training | None  # torchao float8 layers and their FSDP2 weight scales
+    comm_hook_state: Any  # the DDP comm hook's state, when one is registered
+    step_count: int  # optimizer steps completed (skipped ones included)
+    _model: nn.Module | None  # the wrapped model (None before setup and after close)
+    _optimizer: torch.optim.Optimizer | None
+    _micro: int  # backward() calls since the last step()
+    _owns_group: bool  # setup() created the process group, so close() destroys it
+    _health: ScaleHealth  # warns when the scale keeps dropping or sits at its floor
+    _skips_seen: int  # skipped steps already reported by the overflow diagnosis
+
     def __init__(
         self,
         precision: PrecisionLike = "bf16",
@@ -208,27 +153,18 @@ class DistAMP:
             max_grad_norm=max_grad_norm,
             scaler=scaler,
             timeout=timeout,
-            device=_parse_device(device),
+            device=parse_device(device),
         )
-        self.step_count = 0
-        self._micro = 0
-        self._model: nn.Module | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: Any = None
-        self.scaler: DistributedGradScaler = (
-            scaler if scaler is not None else DistributedGradScaler("cpu", enabled=False)
-        )
-        self.strategy = strategy
-        self.mp_owner: MPOwner = "none"
-        self.device = torch.device("cpu")
+        self.strategy, self.mp_owner, self.device = strategy, "none", torch.device("cpu")
+        self.scaler = scaler if scaler is not None else DistributedGradScaler("cpu", enabled=False)
+        self.scheduler = None
         self.metrics = Metrics(self.device)
-        self._owns_group = False
         self.trace_nonfinite = bool(trace_nonfinite)
-        self.tracer: NonFiniteTracer | None = None
-        self._health = ScaleHealth()
-        self._skips_seen = 0
-        self.comm_hook_state: Any = None
-        self.fp8: Float8Training | None = None
+        self.tracer, self.fp8, self.comm_hook_state = None, None, None
+        self.step_count, self._micro = 0, 0
+        self._model, self._optimizer = None, None
+        self._owns_group = False
+        self._health, self._skips_seen = ScaleHealth(), 0
 
     @property
     def precision(self) -> Precision:
@@ -278,32 +214,17 @@ class DistAMP:
             init_distributed(timeout=self.config.timeout)  # a no-op for a single process
             self._owns_group = is_distributed()
         cfg = self.config
-        self.device = cfg.device or (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
+        self.device = training_device(cfg)
         stage = None
         if is_pipeline_stage(model):  # a torch.distributed.pipelining stage: train its module
             stage, model = model, model.submod
         parallelised = cfg.mesh is not None or stage is not None or is_parallelised(model)
         self.strategy = resolve_strategy(cfg.strategy, self.world_size, parallelised=parallelised)
         self.mp_owner = select_mp_owner(cfg.precision, self.strategy, self.device.type)
-        built = isinstance(optimizer, torch.optim.Optimizer)
-        if built and self.strategy in SHARDED and hasattr(scheduler, "step"):
-            raise ValueError(
-                f"scheduler: strategy={self.strategy!r} must rebuild the optimizer you passed, "
-                "so a scheduler bound to it would drive a stale one; pass factories instead: "
-                f"`lambda params: ...` and `lambda opt: {type(scheduler).__name__}(opt, ...)`"
-            )
+        check_setup(cfg, self.strategy, optimizer, scheduler)
         names = {id(p): n for n, p in model.named_parameters()}
         model = model.to(self.device)
         fsdp_dtype = cfg.precision.compute_dtype if self.mp_owner == "fsdp" else None
-        if cfg.comm_hook is not None and self.strategy != "ddp":
-            raise ValueError(
-                f"comm_hook={cfg.comm_hook!r}: strategy resolved to {self.strategy!r}, which has "
-                "no DDP comm hooks (one process resolves 'auto' to 'none'); use comm_hook=None"
-            )
         if cfg.precision.float8_linears:  # before wrapping: FSDP2 must see the float8 weights
             policy = cfg.policy or AutocastPolicy(cfg.precision)
             self.fp8 = Float8Training.convert(
@@ -332,6 +253,7 @@ class DistAMP:
             if cfg.scaler is not None
             else make_scaler(self.device.type, cfg.precision.needs_scaler)
         )
+        self._health = ScaleHealth(min_scale=self.scaler.min_scale)  # its "at floor" warning
         # Names for reports; DDP: no extra collective; FSDP1: which parameters are shards;
         # a pipeline stage: how many ranks run the same stage.
         self.scaler.register_module(wrapped if stage is None else stage)
@@ -408,17 +330,21 @@ class DistAMP:
             )
         norm = None
         with named_collective("step (overflow flag and norm agreement)", self.config.timeout):
+            # 1. clip: unscale + overflow check + norm in one pass and the step's one
+            #    collective; the clip factor is applied once (inside a fused optimizer's step)
             if self.config.max_grad_norm is not None:
-                # Unscale + overflow check + norm in one pass and one collective, clip factor
-                # applied once (inside a fused optimizer's step).
                 norm = scaler.clip_grad_norm_(opt, self.config.max_grad_norm)
+            # 2. step, or skip on every rank alike; 3. update the scale
             scaler.step(opt)
             scaler.update()
-            if self.fp8 is not None:  # FSDP2 float8 all-gather: next step's weight scales
+            # 4. fp8 under FSDP2: the next step's float8 weight scales, one all-reduce
+            if self.fp8 is not None:
                 self.fp8.after_step(self.model)
         result = StepResult.capture(scaler, norm)
-        if self.scheduler is not None and result.stepped:  # host sync (see docstring)
+        # 5. the scheduler, only after a real optimizer step (host sync, see docstring)
+        if self.scheduler is not None and result.stepped:
             self.scheduler.step()
+        # 6. next cycle: gradients released, metrics counted
         opt.zero_grad(set_to_none=True)
         self.metrics.end_step(norm, scaler)
         self._micro = 0
@@ -439,23 +365,10 @@ class DistAMP:
         """The ``loss_fn`` to build a ``torch.distributed.pipelining`` schedule with.
 
         Each micro-batch loss (on the last stage) is recorded for the metrics, unscaled, then
-        multiplied by the loss scale, so the schedule's backward yields scaled gradients on every
-        stage; the schedule keeps its own micro-batch averaging. Call on every rank (the scale
-        is created on stages that compute no loss, so that they can step).
+        scaled, so the schedule's backward yields scaled gradients on every stage; the schedule
+        keeps its own micro-batch averaging. Call on every rank (stages without a loss step too).
         """
-        if self.config.grad_accum_steps != 1:
-            raise ValueError(
-                f"grad_accum_steps={self.config.grad_accum_steps}: under a pipeline schedule the "
-                "schedule's micro-batches are the accumulation; use grad_accum_steps=1 and "
-                "n_microbatches in the schedule"
-            )
-
-        def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
-            loss = loss_fn(*args, **kwargs)
-            self.metrics.record(loss)
-            return loss
-
-        return self.scaler.scaled_loss_fn(recorded)
+        return pipeline_loss_fn(self, loss_fn)
 
     def pipeline_step(self, schedule: Any, *args: Any, **kwargs: Any) -> StepResult:
         """Run one pipeline-schedule iteration (forward and backward of every micro-batch, under
@@ -463,17 +376,7 @@ class DistAMP:
         skip on every stage alike, update the scale. ``args``/``kwargs`` go to
         ``schedule.step`` (inputs on the first stage, ``target=`` on the last).
         """
-        if self._micro:
-            raise RuntimeError(
-                "pipeline_step() after backward(): a pipeline schedule runs its own backward"
-            )
-        with (
-            self.autocast(),
-            named_collective("pipeline schedule (stage send/recv)", self.config.timeout),
-        ):
-            schedule.step(*args, **kwargs)
-        self._micro = self.config.grad_accum_steps
-        return self.step()
+        return run_pipeline_step(self, schedule, *args, **kwargs)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -522,22 +425,6 @@ class DistAMP:
             self.scheduler.load_state_dict(state["scheduler"])
         return True
 
-    def _diagnose(self, stats: WindowStats) -> WindowStats:
-        """At a logging step whose window skipped: the overflow report (collective; every rank
-        takes this branch, the stats being identical) and, on rank 0, the scale-health warning."""
-        if stats.skipped_steps == self._skips_seen or not self.scaler.is_enabled():
-            self._health.check(skipped_in_a_row=0, scale=stats.loss_scale, report=None)
-            return stats
-        self._skips_seen = stats.skipped_steps
-        report = self.scaler.overflow_report()
-        if self.fp8 is not None:  # names the fp8 layers among the report's
-            report = self.fp8.annotate(report)
-        streak = self.scaler.skip_streak
-        text = self._health.check(skipped_in_a_row=streak, scale=stats.loss_scale, report=report)
-        if text is not None and (not is_distributed() or dist.get_rank() == 0):
-            warnings.warn(text, RuntimeWarning, stacklevel=3)
-        return replace(stats, overflow=None if report is None else report.one_line())
-
     def close(self) -> None:
         """Finish the job cleanly on every rank. Collective: call on every rank.
 
@@ -556,9 +443,10 @@ class DistAMP:
         self._model = self._optimizer = self.scheduler = self.tracer = None
         self.comm_hook_state = None
         self.scaler = DistributedGradScaler("cpu", enabled=False)  # it held group handles
-        gc.collect()
-        if self._owns_group and is_distributed():
-            dist.destroy_process_group()
+        if self._owns_group:
+            shutdown_distributed()  # barrier, collection, destroy
+        else:
+            gc.collect()
         self._owns_group = False
 
     # ------------------------------------------------------------------ the loop
@@ -597,45 +485,16 @@ class DistAMP:
         Returns:
             The last collected window (``None`` if there was nothing to do).
         """
-        n, stats, model = self.config.grad_accum_steps, None, self.model
-        cfg_timeout = self.config.timeout
-        saved_at = self.step_count  # a resumed run that has nothing left to do saves nothing
-        while self.step_count < steps:
-            for micro in range(n):
-                with self.accumulate():
-                    with self.autocast():
-                        loss = loss_fn(model, batch(self.step_count * n + micro))
-                    self.backward(loss, tokens=tokens_per_batch)
-            self.step()
-            done = self.step_count
-            if on_step is not None:
-                on_step(done)
-            if done % log_interval == 0 or done == steps:
-                stop = bool(stop_requested()) if stop_requested is not None else False
-                with named_collective("metrics collection at a logging step", cfg_timeout):
-                    stats = self._diagnose(
-                        self.metrics.collect(step=done, scaler=self.scaler, stop=stop)
-                    )
-                if on_log is not None:
-                    on_log(stats)
-                if stats.stop:
-                    break
-            if (
-                checkpoint_dir is not None
-                and checkpoint_interval
-                and done % checkpoint_interval == 0
-            ):
-                self.save_state(checkpoint_dir)
-                saved_at = done
-        if checkpoint_dir is not None and saved_at != self.step_count:
-            self.save_state(checkpoint_dir)
-        return stats
-
-
-def _parse_device(device: str | torch.device | None) -> torch.device | None:
-    if device is None or isinstance(device, torch.device):
-        return device
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device={device!r} is not a torch device: {exc}") from None
+        return train_loop(
+            self,
+            batch,
+            loss_fn,
+            steps=steps,
+            tokens_per_batch=tokens_per_batch,
+            log_interval=log_interval,
+            on_log=on_log,
+            on_step=on_step,
+            stop_requested=stop_requested,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_interval=checkpoint_interval,
+        )

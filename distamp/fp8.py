@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.cluster import is_distributed
+
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
@@ -340,7 +342,7 @@ class Float8Training:
         for name, module in model.named_modules():
             if name in selected:
                 state._hooks.append(module.register_forward_pre_hook(_cast_to_cpu_autocast))
-        if not selected and (not dist.is_initialized() or dist.get_rank() == 0):
+        if not selected and (not is_distributed() or dist.get_rank() == 0):
             why = "; ".join(str(c) for c in choices[:4]) or "the model has no nn.Linear"
             warnings.warn(
                 f"precision='fp8': no Linear layer qualifies for float8 ({why}), so the model "

@@ -37,6 +37,16 @@ class ScalerReporting(torch.amp.GradScaler):
     _tracer: NonFiniteTracer | None
 
     @property
+    def min_scale(self) -> float | None:
+        """The floor of the scale (``None``: none)."""
+        return self._min_scale
+
+    @property
+    def max_scale(self) -> float | None:
+        """The ceiling of the scale (``None``: none, as torch)."""
+        return self._max_scale
+
+    @property
     def check_only(self) -> bool:
         """Whether this scaler only checks (bf16/fp32: no scaling, non-finite steps skipped)."""
         return self._check_only
