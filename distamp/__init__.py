@@ -1,39 +1,49 @@
 """distamp: distributed automatic mixed precision for PyTorch.
 
-Public API only; see the README for the workflows it supports. The ``distamp`` command lives in
-:mod:`distamp.cli` and is not imported here.
+Public API only: what the README and the ``launch/`` examples use, and the error types they can
+raise. Integrations live in :mod:`distamp.integrations` (they import Accelerate or Lightning);
+the ``distamp`` command lives in :mod:`distamp.cli`. Neither is imported here.
 """
 
 from __future__ import annotations
 
 from distamp.audit import audit
+from distamp.checkpoint import CheckpointError
 from distamp.cluster import (
+    CollectiveTimeoutError,
     DistEnv,
     RendezvousError,
     detect_environment,
-    expand_nodelist,
     init_distributed,
+    shutdown_distributed,
 )
-from distamp.engine import AMPConfig, DistAMP
+from distamp.engine import DistAMP
 from distamp.metrics import StepResult
-from distamp.policy import AutocastPolicy, Precision, parse_precision
+from distamp.metrics_writers import ProgressPrinter, make_writer
+from distamp.policy import AutocastPolicy, parse_precision
 from distamp.scaler import DistributedGradScaler, ScalerStateError, ScaleUnderflowError
 
 __all__ = [
-    "AMPConfig",
+    # training
     "AutocastPolicy",
     "DistAMP",
-    "DistEnv",
     "DistributedGradScaler",
-    "Precision",
+    "StepResult",
+    "audit",
+    "parse_precision",
+    # launching
+    "DistEnv",
+    "detect_environment",
+    "init_distributed",
+    "shutdown_distributed",
+    # metrics
+    "ProgressPrinter",
+    "make_writer",
+    # errors
+    "CheckpointError",
+    "CollectiveTimeoutError",
     "RendezvousError",
     "ScaleUnderflowError",
     "ScalerStateError",
-    "StepResult",
-    "audit",
-    "detect_environment",
-    "expand_nodelist",
-    "init_distributed",
-    "parse_precision",
 ]
 __version__ = "0.1.0"

@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `launch.model` (and a checkout)
-from distamp.cluster import shutdown_distributed
+from distamp import make_writer, shutdown_distributed
 from distamp.integrations.accelerate import DistAMPAccelerator
-from distamp.metrics_writers import make_writer
 from launch.model import GPT, GPTConfig, ShardedText, lm_loss, load_text
 
 

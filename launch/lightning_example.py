@@ -21,9 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `launch.model` (and a checkout)
 from lightning.fabric import Fabric
 
-from distamp.cluster import shutdown_distributed
+from distamp import make_writer, shutdown_distributed
 from distamp.integrations.lightning import DistAMPEnvironment, DistAMPPrecision
-from distamp.metrics_writers import make_writer
 from launch.model import GPT, GPTConfig, ShardedText, lm_loss, load_text
 
 

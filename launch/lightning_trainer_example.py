@@ -24,9 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `launch.model` (and a checkout)
 import lightning.pytorch as pl
 
-from distamp.cluster import shutdown_distributed
+from distamp import make_writer, shutdown_distributed
 from distamp.integrations.lightning import DistAMPEnvironment, DistAMPTrainerPrecision
-from distamp.metrics_writers import make_writer
 from launch.model import GPT, GPTConfig, ShardedText, lm_loss, load_text
 
 

@@ -32,10 +32,14 @@ from types import FrameType
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `launch.model` (and a checkout)
-from distamp.cluster import init_distributed, shutdown_distributed
-from distamp.engine import DistAMP
-from distamp.metrics_writers import ProgressPrinter
-from distamp.policy import AutocastPolicy, parse_precision
+from distamp import (
+    AutocastPolicy,
+    DistAMP,
+    ProgressPrinter,
+    init_distributed,
+    parse_precision,
+    shutdown_distributed,
+)
 from launch.model import DATA_FILE, GPT, GPTConfig, ShardedText, lm_loss, load_text
 
 
