@@ -20,25 +20,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import queue as queue_module
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 # The N-D layouts are the scaler tests' fixtures; the spawned ranks import them too.
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from distamp.cluster.spawn import run_ranks  # noqa: E402
 
 _SYNC_METHODS = ("item", "__bool__", "tolist", "cpu")
 _COLLECTIVES = (
@@ -221,19 +218,14 @@ CASES = [
 ]
 
 
-def _worker(rank: int, world: int, port: int, steps: int, layers: int, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+def _worker(rank: int, world: int, steps: int, layers: int) -> list[Any]:
     counter = _Counter()
     results = []
     with counter.installed():
         for strategy, name in CASES:
             results.append((strategy, name, _measure(rank, strategy, name, steps, layers, counter)))
             dist.barrier()
-    if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
+    return results
 
 
 ND_CASES = [
@@ -313,16 +305,13 @@ def _measure_nd(
     return out
 
 
-def _nd_worker(rank: int, world: int, port: int, steps: int, queue: Any) -> None:
+def _nd_worker(rank: int, world: int, steps: int) -> list[Any]:
     import logging
     import warnings
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     # torch's notes on FSDP2 modules returning views and on two-step gathers: not ours.
     warnings.filterwarnings("ignore", message=".*returned a view tensor")
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     counter = _Counter()
     results = []
     with counter.installed():
@@ -330,36 +319,7 @@ def _nd_worker(rank: int, world: int, port: int, steps: int, queue: Any) -> None
             m = _measure_nd(rank, layout_name, name, steps, counter)
             results.append((label, name, m))
             dist.barrier()
-    if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
-
-
-def _spawn(target: Any, world: int, *args: Any, timeout: float) -> Any:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while True:  # rank 0 reports; a rank that died (its traceback is on stderr) ends the wait
-            try:
-                return queue.get(timeout=1.0)
-            except queue_module.Empty:
-                dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
-                if dead:
-                    raise RuntimeError(f"rank(s) failed, exit codes {dead}") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no result within {timeout:.0f}s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    return results
 
 
 def _print_nd(results: list[tuple[str, str, dict[str, float]]], steps: int) -> None:
@@ -391,7 +351,7 @@ def main() -> None:
         "--nd-steps", type=int, default=10, help="steps per N-D case on 4 ranks (0: skip them)"
     )
     args = parser.parse_args()
-    results = _spawn(_worker, 2, args.steps, args.layers, timeout=600)
+    results = run_ranks(_worker, 2, args.steps, args.layers, timeout=600)[0]
     base = {s: m["total"] for s, n, m in results if n == "torch GradScaler"}
     print(
         f"2 ranks gloo, {int(results[0][2]['tensors'])} parameter tensors, "
@@ -410,7 +370,7 @@ def main() -> None:
             f"{m['total'] / base[strategy]:8.2f}"
         )
     if args.nd_steps > 0:
-        _print_nd(_spawn(_nd_worker, 4, args.nd_steps, timeout=900), args.nd_steps)
+        _print_nd(run_ranks(_nd_worker, 4, args.nd_steps, timeout=900)[0], args.nd_steps)
 
 
 if __name__ == "__main__":

@@ -21,17 +21,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from distamp.cluster import free_port  # noqa: E402
+from distamp.cluster.spawn import run_ranks  # noqa: E402
 from distamp.engine import DistAMP  # noqa: E402
 from distamp.policy import parse_precision  # noqa: E402
 from launch.model import GPT, GPTConfig, ShardedText, lm_loss, load_text  # noqa: E402
@@ -77,39 +75,32 @@ def _engine_loop(precision: str, seed: int) -> Callable[[Any], None]:
     return step
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        data = ShardedText(
-            load_text(), context=64, batch_size=args.batch_size, rank=rank, world_size=world, seed=0
-        )
-        loops = {
-            "torch": _torch_loop(args.precision, 0),
-            "distamp": _engine_loop(args.precision, 0),
-        }
-        times: dict[str, list[float]] = {name: [] for name in loops}
-        cpu: dict[str, list[float]] = {name: [] for name in loops}
-        for step in loops.values():  # warm-up: first steps allocate optimizer state
-            for k in range(args.warmup):
-                step(data.batch(k))
-        k = args.warmup
-        for r in range(args.rounds):
-            order = list(loops) if r % 2 == 0 else list(reversed(loops))
-            for name in order:
-                dist.barrier()  # both ranks start the block together
-                for _ in range(args.block):
-                    batch = data.batch(k)
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    loops[name](batch)
-                    times[name].append(time.perf_counter() - t0)
-                    cpu[name].append(time.process_time() - c0)
-                    k += 1
-        if rank == 0:
-            queue.put((times, cpu))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, args: argparse.Namespace) -> Any:
+    data = ShardedText(
+        load_text(), context=64, batch_size=args.batch_size, rank=rank, world_size=world, seed=0
+    )
+    loops = {
+        "torch": _torch_loop(args.precision, 0),
+        "distamp": _engine_loop(args.precision, 0),
+    }
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    cpu: dict[str, list[float]] = {name: [] for name in loops}
+    for step in loops.values():  # warm-up: first steps allocate optimizer state
+        for k in range(args.warmup):
+            step(data.batch(k))
+    k = args.warmup
+    for r in range(args.rounds):
+        order = list(loops) if r % 2 == 0 else list(reversed(loops))
+        for name in order:
+            dist.barrier()  # both ranks start the block together
+            for _ in range(args.block):
+                batch = data.batch(k)
+                t0, c0 = time.perf_counter(), time.process_time()
+                loops[name](batch)
+                times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+                k += 1
+    return times, cpu
 
 
 def main() -> None:
@@ -121,18 +112,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per loop first")
     p.add_argument("--batch-size", type=int, default=16)
     args = p.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.ranks, port, args, queue))
-        for r in range(args.ranks)
-    ]
-    for proc in procs:
-        proc.start()
-    times, cpu = queue.get(timeout=1800)
-    for proc in procs:
-        proc.join(timeout=60)
+    threads = max(1, (os.cpu_count() or 1) // args.ranks)  # the host's cores, shared
+    times, cpu = run_ranks(_worker, args.ranks, args, timeout=1800, threads=threads)[0]
     med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     cpu_med = {name: statistics.median(ts) * 1e3 for name, ts in cpu.items()}
     n = len(times["torch"])

@@ -1,0 +1,121 @@
+"""Run a function on N real processes joined by a gloo process group, with a hard timeout.
+
+The one multi-process harness of the tests and the benchmarks: every multi-process test and
+benchmark goes through :func:`run_ranks`, so that a hang fails within ``timeout`` seconds
+instead of stalling CI, a worker's traceback reaches the caller, and every worker leaves its
+process group destroyed.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distamp.cluster.main_address import free_port
+
+__all__ = ["run_ranks"]
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout: float,
+    args: tuple[Any, ...],
+    results: Any,
+    threads: int,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # report everything, including AssertionError from the scenario
+        results.put((rank, "err", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float = 120.0,
+    threads: int = 1,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+
+    Each rank runs with ``threads`` intra-op threads (1 by default: N ranks on a small machine
+    would otherwise oversubscribe its cores). Returns the per-rank return values (which must be
+    picklable), in rank order. Raises
+    ``RuntimeError`` with the worker's traceback if any rank failed, and ``TimeoutError`` (after
+    killing every worker) if the ranks did not all finish within ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, rank, world_size, port, timeout, args, results, threads),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    collected: dict[int, tuple[str, Any]] = {}
+    errors: list[str] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while len(collected) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish "
+                    f"within {timeout:.0f}s"
+                )
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead and all(i not in collected for i in dead):
+                    # A rank crashed hard (segfault, os._exit) without reporting.
+                    codes = {i: procs[i].exitcode for i in dead}
+                    raise RuntimeError(f"rank(s) died without a result: {codes}") from None
+                continue
+            collected[rank] = (status, payload)
+            if status == "err":
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if errors:
+        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+    return [collected[r][1] for r in range(world_size)]
