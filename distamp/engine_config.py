@@ -77,22 +77,22 @@ class AMPConfig:
                 f"comm_hook={self.comm_hook!r} with strategy={self.strategy!r}: comm hooks are "
                 "DDP's; use strategy='ddp' (or 'auto') or comm_hook=None"
             )
-        if check_number("grad_accum_steps", self.grad_accum_steps, integer=True) < 1:
+        if _number("grad_accum_steps", self.grad_accum_steps, integer=True) < 1:
             raise ValueError(f"grad_accum_steps={self.grad_accum_steps!r} must be an int >= 1")
         g = self.max_grad_norm
-        if g is not None and check_number("max_grad_norm", g) <= 0:
+        if g is not None and _number("max_grad_norm", g) <= 0:
             raise ValueError(f"max_grad_norm={g!r} must be a finite number > 0, or None")
         if self.scaler is not None and not isinstance(self.scaler, DistributedGradScaler):
             raise ValueError(
                 f"scaler={self.scaler!r} must be a distamp.DistributedGradScaler (or None): the "
                 "engine reads its rank-agreed skip decision, which torch's scalers do not provide"
             )
-        if check_number("timeout", self.timeout) <= 0:
+        if _number("timeout", self.timeout) <= 0:
             raise ValueError(f"timeout={self.timeout!r} must be a number of seconds > 0")
         h = self.hsdp_shard_size
         # Checked here, not when the mesh is built: a bad value must fail before any rank joins
         # a process group, not inside DeviceMesh on some ranks.
-        if h is not None and check_number("hsdp_shard_size", h, integer=True) < 1:
+        if h is not None and _number("hsdp_shard_size", h, integer=True) < 1:
             raise ValueError(f"hsdp_shard_size={h!r} must be an int >= 1, or None")
         if self.mesh is not None:
             from torch.distributed.device_mesh import DeviceMesh
@@ -115,6 +115,14 @@ def parse_device(device: str | torch.device | None) -> torch.device | None:
         return torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device={device!r} is not a torch device: {exc}") from None
+
+
+def _number(name: str, value: Any, *, integer: bool = False) -> float:
+    """:func:`check_number`, its message led by ``name=value`` as the engine's other errors."""
+    try:
+        return check_number(name, value, integer=integer)
+    except ValueError as exc:
+        raise ValueError(f"{name}={value!r}: {exc}") from None
 
 
 def training_device(cfg: AMPConfig) -> torch.device:
