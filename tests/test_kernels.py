@@ -587,3 +587,21 @@ def test_torch_compile_keeps_the_custom_op() -> None:
     assert_same(norm, expected, 1e-6, "compiled norm")
     assert_grads_same(grads, [b * 0.5 for b in before], 0.0)
     assert float(found) == 0.0
+
+
+def test_cpu_check_and_sumsq_stays_exact_when_squares_overflow() -> None:
+    """The CPU path skips its second pass when the sum of squares is finite; a non-finite sum
+    from huge *finite* values must still leave found_inf at 0 (and a real inf must raise it)."""
+    huge = [torch.ones(8), torch.tensor([1e30, 2.0])]  # finite, but 1e60 overflows fp32
+    found = torch.zeros(())
+    sumsq = unscale_check_sumsq_(
+        huge, found, torch.tensor(1.0), write=False, compute_sumsq=True, backend="torch"
+    )
+    assert sumsq is not None and not bool(torch.isfinite(sumsq))
+    assert float(found) == 0.0
+    bad = [torch.ones(8), torch.tensor([float("inf"), 2.0])]
+    sumsq = unscale_check_sumsq_(
+        bad, found, torch.tensor(1.0), write=False, compute_sumsq=True, backend="torch"
+    )
+    assert float(found) == 1.0
+    assert torch.equal(bad[0], torch.ones(8))  # a check never writes
