@@ -425,7 +425,7 @@ class DistributedGradScaler(ScalerReporting):
         if found_inf is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         if self._counters.ready:
-            self._counters.last_skipped = found_inf > 0
+            self._counters.last_skipped = found_inf  # compared with 0 when read
         if fused:
             grad_scale = scale if record.stage is OptState.READY else record.grad_scale
             retval = fused_step(optimizer, grad_scale, found_inf, *args, **kwargs)

@@ -55,7 +55,9 @@ class ScalerReporting(torch.amp.GradScaler):
     def last_step_skipped(self) -> torch.Tensor:
         """0-dim bool tensor: whether the last step/update skipped (no host sync to get it)."""
         last = self._counters.last_skipped
-        return torch.zeros((), dtype=torch.bool) if last is None else last
+        if last is None:
+            return torch.zeros((), dtype=torch.bool)
+        return last if last.dtype == torch.bool else last > 0
 
     @property
     def skipped_steps(self) -> int:

@@ -161,6 +161,7 @@ class Topology:
         self._stage_divisor: dict[int, int] = {}
         self._ddp_params: dict[int, tuple[int, ...]] = {}  # synced by DDP over these ranks
         self._ddp_synced_forward = False
+        self._ddp_cover: dict[tuple[int, ...], bool] = {}  # parameter ids -> all DDP-synced
         self._copies: dict[int, int] = {}
         self.param_names: dict[int, str] = {}
 
@@ -180,6 +181,7 @@ class Topology:
         self._stage_divisor.clear()
         self._ddp_params.clear()
         self._ddp_synced_forward = False
+        self._ddp_cover.clear()
         self._copies.clear()
         self.param_names.clear()
 
@@ -203,6 +205,7 @@ class Topology:
         for name, p in inner.named_parameters():
             self.param_names[id(p)] = name
         self._copies.clear()
+        self._ddp_cover.clear()
         if stage_group is not None and is_distributed():
             size = dist.get_world_size(stage_group)
             self._stage_divisor.update((id(p), size) for p in inner.parameters())
@@ -254,17 +257,23 @@ class Topology:
         """
         if not (self._ddp_synced_forward and self._ddp_params):
             return False
-        reducer = self.agreement
-        need = (
-            len(reducer.ranks)
-            if reducer.ranks is not None
-            else (dist.get_world_size() if is_distributed() else 1)
-        )
-        for p in params:
-            ranks = self._ddp_params.get(id(p))
-            if ranks is None or _within(ranks, reducer.ranks) < need:
-                return False
-        return True
+        params = list(params)
+        key = tuple(map(id, params))
+        covered = self._ddp_cover.get(key)
+        if covered is None:  # what the wrappers synchronise changes only at registration
+            reducer = self.agreement
+            need = (
+                len(reducer.ranks)
+                if reducer.ranks is not None
+                else (dist.get_world_size() if is_distributed() else 1)
+            )
+            covered = all(
+                (ranks := self._ddp_params.get(id(p))) is not None
+                and _within(ranks, reducer.ranks) >= need
+                for p in params
+            )
+            self._ddp_cover[key] = covered
+        return covered
 
     def copies(self, param: torch.Tensor) -> int:
         """How many ranks of the agreement group hold ``param``'s local gradient elements
