@@ -221,7 +221,7 @@ class DistAMP:
         parallelised = cfg.mesh is not None or stage is not None or is_parallelised(model)
         self.strategy = resolve_strategy(cfg.strategy, self.world_size, parallelised=parallelised)
         self.mp_owner = select_mp_owner(cfg.precision, self.strategy, self.device.type)
-        check_setup(cfg, self.strategy, optimizer, scheduler)
+        check_setup(cfg, self.strategy, optimizer, scheduler, parallelised=parallelised)
         names = {id(p): n for n, p in model.named_parameters()}
         model = model.to(self.device)
         fsdp_dtype = cfg.precision.compute_dtype if self.mp_owner == "fsdp" else None

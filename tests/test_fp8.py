@@ -435,3 +435,24 @@ def test_main_job_trains_in_fp8_under_fsdp2() -> None:
     assert summary["precision"] == "fp8" and summary["strategy"] == "fsdp2"
     assert summary["fp8_layers"] == 9 and summary["skipped_steps"] == 0
     assert summary["loss_scale"] == 1.0 and summary["final_loss"] < 5.55
+
+
+def _fp8_on_a_user_mesh(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from distamp import DistAMP
+
+    mesh = init_device_mesh("cpu", (world,))
+    amp = DistAMP(precision="fp8", mesh=mesh)
+    try:
+        amp.setup(torch.nn.Linear(32, 32), lambda params: torch.optim.SGD(params, lr=0.1))
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_fp8_refuses_a_model_parallelised_by_hand() -> None:
+    """float8 layers must be in place before fully_shard/parallelize_module: with mesh= (or a
+    model already wrapped) the engine refuses fp8 with the working alternatives, on every rank."""
+    out = run_ranks(_fp8_on_a_user_mesh, 2, timeout=120)
+    assert all("parallelised yourself" in msg and "strategy='ddp'" in msg for msg in out), out
