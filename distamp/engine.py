@@ -371,11 +371,9 @@ class DistAMP:
         return pipeline_loss_fn(self, loss_fn)
 
     def pipeline_step(self, schedule: Any, *args: Any, **kwargs: Any) -> StepResult:
-        """Run one pipeline-schedule iteration (forward and backward of every micro-batch, under
-        this engine's autocast), then :meth:`step`: clip with the whole model's norm, step or
-        skip on every stage alike, update the scale. ``args``/``kwargs`` go to
-        ``schedule.step`` (inputs on the first stage, ``target=`` on the last).
-        """
+        """One pipeline-schedule iteration (every micro-batch's forward and backward, under this
+        engine's autocast), then :meth:`step`: the whole model's norm, one skip decision for all
+        stages. ``args``/``kwargs`` go to ``schedule.step`` (inputs first, ``target=`` last)."""
         return run_pipeline_step(self, schedule, *args, **kwargs)
 
     # ------------------------------------------------------------------ state
@@ -421,6 +419,7 @@ class DistAMP:
         self.step_count = int(state["step"])
         if state["scaler"]:  # {} when it was saved disabled (bf16/fp32)
             self.scaler.load_state_dict(state["scaler"])
+            self._skips_seen = self.scaler.skipped_steps  # restored skips are not new ones
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         return True

@@ -215,3 +215,27 @@ def test_engine_logs_the_overflow_report_of_a_skipped_window() -> None:
     assert lines[2] is not None and lines[2].startswith("overflow at iteration 2: embed.weight")
     assert "first non-finite forward output: embed (rank 0)" in lines[2]
     assert "the loss itself was non-finite" in lines[2]
+
+
+def test_a_resumed_engine_reports_no_overflow_for_a_clean_first_window(tmp_path: Any) -> None:
+    """Skips restored from a checkpoint are not new: the first window after a resume, with no
+    skip of its own, carries no overflow report."""
+    from distamp import DistAMP
+
+    def loss_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).float().square().mean()
+
+    xs = [torch.randn(4, 8) for _ in range(4)]
+    xs[1][0, 0] = INF
+    first = DistAMP(precision="fp16", strategy="none", device="cpu")
+    first.setup(Net(), lambda params: torch.optim.AdamW(params, lr=1e-3))
+    first.fit(lambda k: xs[k], loss_fn, steps=2, log_interval=1)
+    assert first.scaler.skipped_steps == 1
+    first.save_state(tmp_path)
+    again = DistAMP(precision="fp16", strategy="none", device="cpu")
+    again.setup(Net(), lambda params: torch.optim.AdamW(params, lr=1e-3))
+    assert again.load_state(tmp_path)
+    logged: list[Any] = []
+    again.fit(lambda k: xs[k], loss_fn, steps=4, log_interval=1, on_log=logged.append)
+    assert [s.skipped_steps for s in logged] == [1, 1]
+    assert [s.overflow for s in logged] == [None, None]
