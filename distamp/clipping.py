@@ -227,7 +227,7 @@ def clip_scaler_grads_(
             scaler.unscale_(optimizer)  # p-norms other than 2 read unscaled gradients
     else:
         scale, home = None, grad_device(optimizer_params(optimizer))
-    scaler._prepare(optimizer, record)
+    plan = scaler._prepare(optimizer, record)
     found_inf = torch.zeros((), dtype=torch.float32, device=home)
     if deferred:
         assert scale is not None
@@ -240,7 +240,7 @@ def clip_scaler_grads_(
         inv_scale = torch.ones((), dtype=torch.float32, device=home)
     pending = scaler._pending()
     reducer = scaler._reducer_for([*pending, record])
-    groups = scaler._plans.for_optimizer(optimizer).groups(sparse_error=SPARSE_CLIP)
+    groups = plan.groups(sparse_error=SPARSE_CLIP)
     term = local_norm_term(
         groups,
         norm_type=norm_type,

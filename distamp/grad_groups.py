@@ -23,7 +23,7 @@ import torch
 
 from distamp.diagnostics import OverflowRecorder
 from distamp.kernels import unscale_check_sumsq_
-from distamp.topology import local_grad
+from distamp.topology import is_dtensor, local_grad
 
 __all__ = ["GradGroup", "GradPlan", "GradPlans", "check_groups_"]
 
@@ -45,7 +45,7 @@ class GradPlan:
         self.params = params
         self.key = tuple(map(id, params))
         # DTensor gradients must be turned into their local shards one by one.
-        self.plain = not any(hasattr(p, "placements") for p in params)
+        self.plain = not any(is_dtensor(p) for p in params)
 
     def groups(
         self, *, allow_fp16: bool = True, sparse_error: str | None = None

@@ -27,7 +27,7 @@ from torch.amp.grad_scaler import OptState
 from distamp import reduction
 from distamp.clipping import clip_scaler_grads_
 from distamp.diagnostics import NonFiniteTracer, OverflowRecorder
-from distamp.grad_groups import GradPlans, check_groups_
+from distamp.grad_groups import GradPlan, GradPlans, check_groups_
 from distamp.scale_state import ScaleState, ScaleUnderflowError
 from distamp.scale_update import ScaleRule, update_scale_
 from distamp.scaler_config import check_device, check_scaler_args
@@ -41,7 +41,7 @@ from distamp.step_record import (
     reciprocal,
 )
 from distamp.sync_free import fused_step, masked_step
-from distamp.topology import Topology, optimizer_params
+from distamp.topology import Topology
 
 __all__ = ["DistributedGradScaler", "OptimizerStep", "ScaleUnderflowError", "ScalerStateError"]
 
@@ -246,15 +246,16 @@ class DistributedGradScaler(ScalerReporting):
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
-        """Unscale (or, with ``inv_scale`` None, only check) the optimizer's local gradients.
+        """torch's name for :meth:`_check_plan` over the optimizer's current plan."""
+        plan = self._plans.for_optimizer(optimizer)
+        return self._check_plan(plan, inv_scale, found_inf, allow_fp16)
 
-        Returns one local flag per device, always including the scale's device, so that a rank
-        whose optimizer holds no gradient (empty shard, frozen parameters, a pipeline stage with
-        nothing to train) still contributes a flag to the collective instead of skipping it.
-        """
+    def _check_plan(
+        self, plan: GradPlan, inv_scale: torch.Tensor | None, found_inf: torch.Tensor, fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """Unscale (``inv_scale`` None: only check) the plan's gradients (see check_groups_)."""
         with torch.no_grad():
-            groups = self._plans.for_optimizer(optimizer).groups(allow_fp16=allow_fp16)
-        return check_groups_(groups, found_inf, inv_scale, self._overflow)
+            return check_groups_(plan.groups(allow_fp16=fp16), found_inf, inv_scale, self._overflow)
 
     def _record(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
         return self._per_optimizer_states[id(optimizer)]  # type: ignore[return-value]
@@ -282,10 +283,10 @@ class DistributedGradScaler(ScalerReporting):
                 "unscale_() is being called after step(): unscale before stepping, then call "
                 "update() to start the next iteration."
             )
-        self._prepare(optimizer, record)
+        plan = self._prepare(optimizer, record)
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        record.local_flags = self._unscale_grads_(
-            optimizer,
+        record.local_flags = self._check_plan(
+            plan,
             None if self._check_only else reciprocal(scale),  # check-only: read, never write
             found_inf,
             False,
@@ -297,9 +298,9 @@ class DistributedGradScaler(ScalerReporting):
         """Read-only non-finite check for fused optimizers, which unscale inside their kernel."""
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         record = self._record(optimizer)
-        self._prepare(optimizer, record)
+        plan = self._prepare(optimizer, record)
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        record.local_flags = self._unscale_grads_(optimizer, None, found_inf, True)
+        record.local_flags = self._check_plan(plan, None, found_inf, True)
         record.found_inf = None
         return record
 
@@ -310,8 +311,11 @@ class DistributedGradScaler(ScalerReporting):
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return self._record(optimizer).found_inf_per_device  # type: ignore[return-value]
 
-    def _prepare(self, optimizer: torch.optim.Optimizer, record: OptimizerStep) -> None:
-        record.ddp_covered = self._topology.synchronised_by_ddp(optimizer_params(optimizer))
+    def _prepare(self, optimizer: torch.optim.Optimizer, record: OptimizerStep) -> GradPlan:
+        """The optimizer's gradient plan for this step, and whether DDP covers its parameters."""
+        plan = self._plans.for_optimizer(optimizer)
+        record.ddp_covered = self._topology.synchronised_by_ddp(plan.params, plan.key)
+        return plan
 
     # ------------------------------------------------------------------ the one collective
     def _records(self) -> list[OptimizerStep]:
@@ -325,9 +329,6 @@ class DistributedGradScaler(ScalerReporting):
         if all(r.ddp_covered for r in records):
             return reduction.FlagReducer((), None)
         return self._topology.agreement
-
-    def _agree(self) -> None:
-        self._reduce_pending()
 
     def _reduce_pending(
         self,

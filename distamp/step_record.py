@@ -89,8 +89,8 @@ class OptimizerStep:
 
 class StepRecords(dict):  # type: ignore[type-arg]
     """``id(optimizer) -> OptimizerStep``, creating records on first access (as torch's
-    defaultdict) that reach back to their owner's ``_agree`` for the lazy agreement. The owner
-    is held weakly: records never keep a scaler alive."""
+    defaultdict) that call their owner's ``_reduce_pending`` for the lazy agreement. The
+    dict holds its owner weakly; each record's bound method is a cycle the collector frees."""
 
     def __init__(self, owner: Any) -> None:
         super().__init__()
@@ -98,7 +98,7 @@ class StepRecords(dict):  # type: ignore[type-arg]
 
     def __missing__(self, key: int) -> OptimizerStep:
         owner = self._owner()
-        record = OptimizerStep(agree=None if owner is None else owner._agree)
+        record = OptimizerStep(agree=None if owner is None else owner._reduce_pending)
         self[key] = record
         return record
 

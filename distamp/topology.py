@@ -33,7 +33,7 @@ collective at all.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ from distamp.reduction import FlagReducer, GroupSpec
 __all__ = [
     "Topology",
     "grad_device",
+    "is_dtensor",
     "is_distributed",  # re-exported from distamp.cluster, where it is defined
     "is_pipeline_stage",
     "local_grad",
@@ -59,6 +60,11 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]
     """Every parameter of every group of ``optimizer``, in order."""
     for group in optimizer.param_groups:
         yield from group["params"]
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2, TP, EP parameters): it carries placements and a mesh."""
+    return getattr(t, "placements", None) is not None and hasattr(t, "device_mesh")
 
 
 def local_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -247,26 +253,22 @@ class Topology:
         module.register_forward_pre_hook(_record_sync)
 
     # ------------------------------------------------------------------ questions
-    def synchronised_by_ddp(self, params: Iterable[torch.Tensor]) -> bool:
+    def synchronised_by_ddp(self, params: Sequence[torch.Tensor], key: tuple[int, ...]) -> bool:
         """Whether DDP's last all-reduce already carried any inf/NaN of ``params`` to every rank
         of the agreement group (then the flags need no collective of their own).
 
-        Re-checked every step: a forward under ``no_sync()`` or a parameter DDP does not
-        synchronise (or a DDP group narrower than the agreement, as inside a pipeline stage)
+        ``key`` is the parameters' identities (``GradPlan.key``); the static part of the
+        answer is cached under it. Re-checked every step: a forward under ``no_sync()`` or a
+        parameter DDP does not synchronise (or a DDP group narrower than the agreement, as
+        inside a pipeline stage)
         means the flags are reduced as usual.
         """
         if not (self._ddp_synced_forward and self._ddp_params):
             return False
-        params = list(params)
-        key = tuple(map(id, params))
         covered = self._ddp_cover.get(key)
         if covered is None:  # what the wrappers synchronise changes only at registration
             reducer = self.agreement
-            need = (
-                len(reducer.ranks)
-                if reducer.ranks is not None
-                else (dist.get_world_size() if is_distributed() else 1)
-            )
+            need = reducer.size
             covered = all(
                 (ranks := self._ddp_params.get(id(p))) is not None
                 and _within(ranks, reducer.ranks) >= need
@@ -290,7 +292,7 @@ class Topology:
         if reducer.is_noop:
             return 1
         agreeing = reducer.ranks
-        if getattr(param, "placements", None) is not None and hasattr(param, "device_mesh"):
+        if is_dtensor(param):
             return _dtensor_copies(param, agreeing)
         holders = self._holders.get(id(param))
         if holders is not None:

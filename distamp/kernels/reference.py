@@ -106,20 +106,17 @@ def _flags_and_norms(
     bad = ends.isinf().any(dim=1) | ends.isnan().any(dim=1)
     if not need_norms:
         return bad, None
+    return bad, _fp32_norms(group, pieces=strategy == "cpu")
+
+
+def _fp32_norms(group: list[torch.Tensor], *, pieces: bool) -> torch.Tensor:
+    """fp32-accumulated 2-norms, as fp64, whose squares sum to the group's sum of squares (16-bit
+    tensors in pieces when ``pieces``: see :func:`_cpu_pieces`)."""
     if group[0].dtype not in _LOW_PRECISION:
-        return bad, torch.stack(torch._foreach_norm(group, 2)).to(torch.float64)
-    if strategy == "cpu":
+        return torch.stack(torch._foreach_norm(group, 2)).to(torch.float64)
+    if pieces:
         group = _cpu_pieces(group)
-    return bad, torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).to(torch.float64)
-
-
-def _cpu_sumsq(group: list[torch.Tensor]) -> torch.Tensor:
-    """The fp64 sum of squares of a CPU group (fp32 norms; 16-bit ones in pieces)."""
-    if group[0].dtype in _LOW_PRECISION:
-        norms = torch._foreach_norm(_cpu_pieces(group), 2, dtype=torch.float32)
-    else:
-        norms = torch._foreach_norm(group, 2)
-    return torch.stack(norms).to(torch.float64).square().sum()
+    return torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).to(torch.float64)
 
 
 def _cpu_pieces(group: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -205,7 +202,7 @@ def reference_subset_(
             # and on par (8.9 vs 9.0 ms) at 100 x 200K (torch 2.13, 1 thread). A check that must
             # not change the gradients multiplies by exactly 1 (bitwise the same values).
             if total is not None:
-                sumsq = _cpu_sumsq(group)
+                sumsq = _fp32_norms(group, pieces=True).square().sum()
                 total = total + sumsq * inv_scale.to(torch.float64).reshape(()).square()
                 # A finite sum of squares proves every element finite, so a check-only call
                 # needs no second pass; only a non-finite sum (an inf/NaN, or squares beyond

@@ -29,6 +29,7 @@ from distamp.strategies.fsdp import (
     fsdp2_mixed_precision,
     hsdp_mesh,
 )
+from distamp.topology import is_dtensor
 
 __all__ = [
     "COMM_HOOKS",
@@ -57,7 +58,7 @@ def is_parallelised(model: nn.Module) -> bool:
 
     if isinstance(model, (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)):
         return True
-    return any(hasattr(p, "placements") for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def resolve_strategy(strategy: str, world_size: int, *, parallelised: bool = False) -> str:
