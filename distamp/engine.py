@@ -221,14 +221,18 @@ class DistAMP:
         parallelised = cfg.mesh is not None or stage is not None or is_parallelised(model)
         self.strategy = resolve_strategy(cfg.strategy, self.world_size, parallelised=parallelised)
         self.mp_owner = select_mp_owner(cfg.precision, self.strategy, self.device.type)
-        check_setup(cfg, self.strategy, optimizer, scheduler, parallelised=parallelised)
+        check_setup(cfg, self.strategy, optimizer, scheduler)
         names = {id(p): n for n, p in model.named_parameters()}
         model = model.to(self.device)
         fsdp_dtype = cfg.precision.compute_dtype if self.mp_owner == "fsdp" else None
         if cfg.precision.float8_linears:  # before wrapping: FSDP2 must see the float8 weights
             policy = cfg.policy or AutocastPolicy(cfg.precision)
-            self.fp8 = Float8Training.convert(
-                model, policy, strategy=self.strategy, device=self.device
+            self.fp8 = (
+                Float8Training.adopt(model, policy)  # converted before the user parallelised it
+                if parallelised
+                else Float8Training.convert(
+                    model, policy, strategy=self.strategy, device=self.device
+                )
             )
         if cfg.policy is not None:
             cfg.policy.apply(model)  # before wrapping: the hooks stay on FSDP's units
@@ -240,8 +244,6 @@ class DistAMP:
             policy=cfg.policy if self.strategy in SHARDED else None,
             hsdp_shard_size=cfg.hsdp_shard_size,
         )
-        if self.fp8 is not None:
-            self.fp8.after_wrap(wrapped, strategy=self.strategy, device=self.device)
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(list(wrapped.parameters()))
         elif self.strategy in SHARDED:
@@ -253,6 +255,10 @@ class DistAMP:
             if cfg.scaler is not None
             else make_scaler(self.device.type, cfg.precision.needs_scaler)
         )
+        if self.fp8 is not None:  # over the ranks whose decisions agree: one all-reduce a step
+            self.fp8.after_wrap(
+                wrapped, strategy=self.strategy, device=self.device, reducer=self.scaler.agreement
+            )
         self._health = ScaleHealth(min_scale=self.scaler.min_scale)  # its "at floor" warning
         # Names for reports; DDP: no extra collective; FSDP1: which parameters are shards;
         # a pipeline stage: how many ranks run the same stage.

@@ -134,18 +134,8 @@ def training_device(cfg: AMPConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def check_setup(
-    cfg: AMPConfig, strategy: str, optimizer: Any, scheduler: Any, *, parallelised: bool = False
-) -> None:
+def check_setup(cfg: AMPConfig, strategy: str, optimizer: Any, scheduler: Any) -> None:
     """What can only be checked once the strategy is resolved (``ValueError``)."""
-    if parallelised and cfg.precision.float8_linears:
-        # torchao's float8 layers must replace the Linear layers before fully_shard and
-        # parallelize_module see them; a model parallelised by hand is past that point.
-        raise ValueError(
-            "precision='fp8' with a model you parallelised yourself (mesh=, a pipeline stage, "
-            "DDP/FSDP wrappers or DTensor parameters) is not supported: let the engine wrap an "
-            "unparallelised model (strategy='ddp', 'fsdp2' or 'hsdp'), or use precision='bf16'"
-        )
     built = isinstance(optimizer, torch.optim.Optimizer)
     if built and strategy in SHARDED and hasattr(scheduler, "step"):
         raise ValueError(

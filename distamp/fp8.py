@@ -16,8 +16,13 @@ converted, and the audit shows the same decisions. A layer stays in bf16 when
 
 FSDP2/HSDP: weights are all-gathered in float8 (``enable_fsdp_float8_all_gather``, tensorwise
 recipe only) and :meth:`Float8Training.after_step` computes every weight's scale in ONE
-all-reduce after each optimizer step (``precompute_float8_dynamic_scale_for_fsdp``); without it
-each weight's all-gather would do its own amax all-reduce. DDP and FSDP1: float8 compute only.
+all-reduce after each optimizer step, over the ranks that shard each weight, on any mesh
+(:class:`distamp.fp8_parallel.WeightScales`); without it each weight's all-gather would do its
+own amax all-reduce. DDP and FSDP1: float8 compute only.
+
+Models parallelised by hand (tensor, pipeline, expert parallel; ``DistAMP(mesh=...)``): convert
+FIRST with :func:`convert_for_fp8`, then parallelise (:func:`distamp.fp8_parallel.fp8_tp_plan`
+gives the float8 tensor-parallel styles), then hand the model to the engine.
 
 torchao is imported lazily (:func:`require_torchao`), so ``import distamp`` works without it; the
 tested range is :data:`TORCHAO_RANGE` and other versions are refused with the install command.
@@ -41,12 +46,14 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.cluster import is_distributed
+from distamp.fp8_parallel import WeightScales, is_float8_linear
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from distamp.diagnostics import OverflowReport
     from distamp.policy import AutocastPolicy
+    from distamp.reduction import FlagReducer
 
 __all__ = [
     "DEFAULT_MIN_FEATURES",
@@ -55,6 +62,7 @@ __all__ = [
     "Float8Settings",
     "Float8Training",
     "LinearChoice",
+    "convert_for_fp8",
     "SaturatedLayer",
     "fp8_support",
     "plan_linears",
@@ -133,11 +141,6 @@ class LinearChoice:
         return f"{self.name} ({shape}): {'fp8' if self.fp8 else 'bf16'}, {self.reason}"
 
 
-def _is_float8_linear(module: nn.Module) -> bool:
-    # By name, so that callers need not import torchao to ask.
-    return type(module).__name__ == "Float8Linear" and isinstance(module, nn.Linear)
-
-
 def plan_linears(model: nn.Module, policy: AutocastPolicy) -> list[LinearChoice]:
     """Decide, for every ``nn.Linear`` of ``model``, whether it runs in fp8 (no torchao needed).
 
@@ -163,7 +166,7 @@ def plan_linears(model: nn.Module, policy: AutocastPolicy) -> list[LinearChoice]
         if not isinstance(module, nn.Linear):
             continue
         k, n = module.in_features, module.out_features
-        if _is_float8_linear(module):
+        if is_float8_linear(module):
             fp8, why = True, "already a torchao Float8Linear"
         elif id(module) in islands:
             fp8, why = False, f"fp32 island of the policy ({islands[id(module)]})"
@@ -283,14 +286,16 @@ class SaturatedLayer:
 class Float8Training:
     """The fp8 side of a model in training: what was converted, and the per-step hooks.
 
-    Built by :meth:`convert` before the model is wrapped; the engine then calls
-    :meth:`after_wrap` once, :meth:`after_step` after every optimizer step and after loading a
-    checkpoint, and :meth:`annotate` when reporting a skipped step.
+    Built by :meth:`convert` before the model is parallelised (or by :meth:`adopt` for a model
+    the user converted and parallelised); the engine then calls :meth:`after_wrap` once,
+    :meth:`after_step` after every optimizer step and after loading a checkpoint, and
+    :meth:`annotate` when reporting a skipped step.
     """
 
     settings: Float8Settings
     choices: list[LinearChoice]
     all_gather: bool = False
+    scales: WeightScales | None = None
     _hooks: list[Any] = field(default_factory=list, repr=False)
 
     @property
@@ -339,9 +344,7 @@ class Float8Training:
             model, module_filter_fn=lambda _m, fqn: fqn in selected, config=config
         )
         state = cls(settings, choices, all_gather)
-        for name, module in model.named_modules():
-            if name in selected:
-                state._hooks.append(module.register_forward_pre_hook(_cast_to_cpu_autocast))
+        state._cast_inputs(model)
         if not selected and (not is_distributed() or dist.get_rank() == 0):
             why = "; ".join(str(c) for c in choices[:4]) or "the model has no nn.Linear"
             warnings.warn(
@@ -353,28 +356,82 @@ class Float8Training:
             )
         return state
 
-    def after_wrap(self, model: nn.Module, *, strategy: str, device: torch.device) -> None:
-        """Once, after the strategy wrapped ``model``: the first float8 weight scales (so even
-        the first step gathers with one all-reduce), and the compile guard for DDP on CUDA."""
+    @classmethod
+    def adopt(cls, model: nn.Module, policy: AutocastPolicy) -> Float8Training:
+        """The fp8 side of a model whose Linear layers were converted (by :func:`convert_for_fp8`
+        or torchao) before the user parallelised it: its ``Float8Linear`` layers run in fp8,
+        the other Linear layers are reported with the policy's reason or as not converted.
+
+        Raises:
+            ValueError: the model has no float8 layer: it was parallelised before conversion.
+        """
+        require_torchao()
+        settings = policy.fp8
+        assert settings is not None, "adopt() needs an fp8 policy"
+        choices = [
+            c
+            if not c.fp8 or c.reason.startswith("already")
+            else replace(c, fp8=False, reason="not converted before parallelising")
+            for c in plan_linears(model, policy)
+        ]
+        if not any(c.fp8 for c in choices):
+            raise ValueError(
+                "precision='fp8' with a model you parallelised yourself (mesh=, a pipeline "
+                "stage, wrappers or DTensor parameters) that has no float8 layer: float8 layers "
+                "must replace the Linear layers BEFORE parallelize_module/fully_shard/DDP see "
+                "them. Call distamp.fp8.convert_for_fp8(model, policy, fully_sharded=...) first "
+                "(and distamp.fp8_parallel.fp8_tp_plan for tensor parallel plans), or let the "
+                "engine wrap an unparallelised model (strategy='ddp', 'fsdp2' or 'hsdp')"
+            )
+        state = cls(settings, choices)
+        state._cast_inputs(model)
+        return state
+
+    def _cast_inputs(self, model: nn.Module) -> None:
+        # First among the pre-hooks: a tensor-parallel style's input hook, registered later,
+        # must see the cast activation.
+        for module in model.modules():
+            if is_float8_linear(module) and not getattr(module, "_distamp_cpu_cast", False):
+                module._distamp_cpu_cast = True  # type: ignore[assignment]
+                self._hooks.append(
+                    module.register_forward_pre_hook(_cast_to_cpu_autocast, prepend=True)
+                )
+
+    def after_wrap(
+        self,
+        model: nn.Module,
+        *,
+        strategy: str,
+        device: torch.device,
+        reducer: FlagReducer | None = None,
+    ) -> None:
+        """Once, after the strategy wrapped ``model`` (on every rank of ``reducer``, default the
+        whole job: collective):
+        which weights FSDP2 gathers in float8 and their first scales (so even the first step
+        gathers with one all-reduce), and the compile guard for DDP on CUDA."""
+        self.scales = WeightScales([model], reducer)
+        self.all_gather = self.scales.size > 0
         self.after_step(model)
         if strategy == "ddp" and device.type == "cuda":
             # On every float8 layer, so that compiling the DDP wrapper or the model inside it
             # is caught alike.
             for module in model.modules():
-                if _is_float8_linear(module):
+                if is_float8_linear(module):
                     self._hooks += install_compile_guard(module, _DDP_COMPILE)
 
     def after_step(self, model: nn.Module) -> None:
         """After each optimizer step (skipped or not) and after loading a checkpoint: every
-        float8 weight's scale from its new amax, in one all-reduce (FSDP2 with float8
-        all-gather; nothing otherwise). Collective in that case; no host sync.
+        float8-gathered weight's scale from its new amax, in one all-reduce over the weights of
+        every mesh (:class:`~distamp.fp8_parallel.WeightScales`); nothing when no weight is
+        gathered in float8. No host sync.
 
         A skipped step leaves the weights as they were, so the scales come out the same; calling
         it unconditionally keeps the collectives of a step fixed and avoids reading the skip
         decision on the host.
         """
-        if self.all_gather:
-            require_torchao().precompute_float8_dynamic_scale_for_fsdp(model)
+        if self.scales is None:
+            self.scales = WeightScales([model])
+        self.scales.update()
 
     def saturation(self, report: OverflowReport) -> list[SaturatedLayer]:
         """The fp8 layers of a skipped step whose float8 GEMMs saturated, from ``report``.
@@ -415,6 +472,51 @@ class Float8Training:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def convert_for_fp8(
+    model: nn.Module,
+    policy: AutocastPolicy | str = "fp8",
+    *,
+    fully_sharded: bool = False,
+    device: torch.device | str | None = None,
+) -> Float8Training:
+    """Convert the Linear layers ``policy`` selects to float8, before you parallelise ``model``.
+
+    For models parallelised by hand (``parallelize_module``, ``fully_shard`` on a sub-mesh,
+    pipeline stages): ``fully_shard`` and the tensor-parallel styles must see the float8 layers,
+    so the conversion comes first. Then parallelise (use
+    :func:`distamp.fp8_parallel.fp8_tp_plan` for the TP plan) and pass the model to
+    ``DistAMP(precision=policy, mesh=...)``, which precomputes the float8 weight scales after
+    every step. Pipeline jobs: convert the whole model (or each stage's module) with the same
+    policy on every rank, so that the same layers run in fp8 everywhere.
+
+    Args:
+        model: the unparallelised model (or pipeline stage module), on its training device.
+        policy: an fp8 :class:`~distamp.AutocastPolicy` or ``"fp8"``.
+        fully_sharded: FSDP2/HSDP will shard it: gather the selected weights in float8 (when the
+            policy's ``fsdp_float8_all_gather`` and the tensorwise recipe allow).
+        device: the training device, to refuse GPUs without float8 support; default: the
+            device of the model's first parameter.
+
+    Returns:
+        What was converted (``.converted``, ``.choices``).
+
+    Raises:
+        ValueError: ``policy`` is not fp8; ImportError: torchao missing or untested;
+        RuntimeError: a CUDA device without float8 support.
+    """
+    from distamp.policy import AutocastPolicy
+
+    if isinstance(policy, str):
+        policy = AutocastPolicy(policy)
+    if policy.fp8 is None:
+        raise ValueError(f"convert_for_fp8: {policy!r} is not an fp8 policy")
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    strategy = "fsdp2" if fully_sharded else "none"
+    return Float8Training.convert(model, policy, strategy=strategy, device=torch.device(device))
 
 
 def _cast_to_cpu_autocast(_module: nn.Module, args: tuple[Any, ...]) -> Any:

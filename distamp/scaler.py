@@ -223,6 +223,13 @@ class DistributedGradScaler(ScalerReporting):
 
         return scaled
 
+    @property
+    def agreement(self) -> reduction.FlagReducer:
+        """The ranks whose skip decisions agree (from ``process_group``), as a reducer: other
+        per-step reductions that must span the same ranks (the engine's fp8 weight scales) use
+        it, so that a job never mixes two ideas of "every rank"."""
+        return self._topology.agreement
+
     # ------------------------------------------------------------------ module registration
     def register_module(self, module: Any) -> None:
         """Tell the scaler what holds the parameters: names for reports, copies for norms.

@@ -142,6 +142,44 @@ def test_conversion_keeps_state_dict_and_runs_scaled_mm() -> None:
     amp.close()
 
 
+def test_convert_for_fp8_and_the_float8_tensor_parallel_plan() -> None:
+    """The conversion step for models parallelised by hand, and the plan it pairs with: float8
+    styles for tensorwise float8 layers only, the plan's layouts kept, unknown names refused."""
+    _torchao()
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from distamp.fp8 import convert_for_fp8
+    from distamp.fp8_parallel import fp8_tp_plan, is_float8_linear
+
+    model = _Net()
+    with pytest.raises(ValueError, match="not an fp8 policy"):
+        convert_for_fp8(model, AutocastPolicy("bf16"))
+    state = convert_for_fp8(model, AutocastPolicy("fp8", fp8_min_features=64))
+    assert state.converted == ["big", "island.0", "head"] and is_float8_linear(model.big)
+    assert not is_float8_linear(model.small)
+    plan = fp8_tp_plan(
+        model,
+        {
+            "big": ColwiseParallel(output_layouts=Replicate(), use_local_output=False),
+            "head": RowwiseParallel(input_layouts=Replicate()),
+            "small": ColwiseParallel(),  # not converted: keeps its style
+        },
+    )
+    assert type(plan["big"]).__name__ == "Float8ColwiseParallel"
+    assert plan["big"].output_layouts == (Replicate(),) and plan["big"].use_local_output is False
+    assert type(plan["head"]).__name__ == "Float8RowwiseParallel"
+    assert plan["head"].input_layouts == (Replicate(),)
+    assert plan["head"].output_layouts == (Replicate(),)
+    assert type(plan["small"]) is ColwiseParallel
+    with pytest.raises(ValueError, match="not a module"):
+        fp8_tp_plan(model, {"nope": ColwiseParallel()})
+    rowwise = _Net()
+    convert_for_fp8(rowwise, AutocastPolicy("fp8", recipe="rowwise", fp8_min_features=64))
+    kept = fp8_tp_plan(rowwise, {"big": ColwiseParallel(input_layouts=Shard(1))})
+    assert type(kept["big"]) is ColwiseParallel  # torchao's float8 styles are tensorwise only
+
+
 def test_rowwise_recipe_and_default_threshold_warning() -> None:
     _torchao()
     torch.manual_seed(0)
@@ -451,8 +489,9 @@ def _fp8_on_a_user_mesh(rank: int, world: int) -> str:
     return "accepted"
 
 
-def test_fp8_refuses_a_model_parallelised_by_hand() -> None:
+def test_fp8_refuses_a_model_parallelised_before_conversion() -> None:
     """float8 layers must be in place before fully_shard/parallelize_module: with mesh= (or a
-    model already wrapped) the engine refuses fp8 with the working alternatives, on every rank."""
+    model already wrapped) and no float8 layer, the engine refuses fp8 on every rank and names
+    the conversion step (tests/test_fp8_nd.py runs the converted N-D layouts)."""
     out = run_ranks(_fp8_on_a_user_mesh, 2, timeout=120)
-    assert all("parallelised yourself" in msg and "strategy='ddp'" in msg for msg in out), out
+    assert all("convert_for_fp8" in msg and "strategy='ddp'" in msg for msg in out), out

@@ -1,0 +1,178 @@
+"""FP8 on parallel layouts: float8 weight scales over the ranks that shard each weight, and
+float8 tensor-parallel styles.
+
+**Weight scales.** With FSDP2's float8 all-gather (tensorwise recipe) every rank casts its shard
+of a weight to float8 *before* the all-gather, so all shards of one weight must use ONE scale:
+``float8_max / amax(whole weight)``. torchao's ``precompute_float8_dynamic_scale_for_fsdp``
+computes them through DTensor ops, which needs every float8 weight on one mesh; on a tensor
+parallel job (FSDP2 over ``dp`` for some layers, over ``(dp, tp)`` for the TP-sharded ones) it
+raises, and on a pipeline job each stage holds its own weights. :class:`WeightScales` computes
+them for any layout in ONE all-reduce: each weight is keyed by the ranks of its mesh and its
+name, every rank contributes its shard's amax at its key's slot (0 elsewhere), and a MAX over
+the agreement group yields, at each slot, the amax over exactly the ranks holding that weight.
+Replicas (HSDP's replicate dimension, a TP-replicated weight) contribute the same value, so the
+result is the whole weight's amax; the arithmetic is torchao's, so scales are bitwise the ones
+its precompute gives where that one works.
+
+**Tensor parallel styles.** :func:`fp8_tp_plan` turns a ``parallelize_module`` plan's
+``ColwiseParallel``/``RowwiseParallel`` into torchao's float8 styles for the layers that run in
+float8 (tensorwise recipe): their input activations are cast to float8 before the sequence
+parallel all-gather (half of bf16's bytes) and their output gradients in the backward.
+
+Convert first (:func:`distamp.fp8.convert_for_fp8`), then ``parallelize_module`` with the fp8
+plan, then ``fully_shard``/pipeline stages, then hand the model to ``DistAMP(precision="fp8",
+mesh=...)``, which calls :meth:`WeightScales.update` after every optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distamp.reduction import FlagReducer
+from distamp.topology import agreement_group
+
+__all__ = ["WeightScales", "fp8_tp_plan", "gathers_in_float8", "is_float8_linear"]
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchao ``Float8Linear``, also once ``fully_shard`` swapped its
+    class for a subclass. By class name, so that callers need not import torchao to ask."""
+    return isinstance(module, nn.Linear) and any(
+        cls.__name__ == "Float8Linear" for cls in type(module).__mro__
+    )
+
+
+def gathers_in_float8(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchao ``Float8Linear`` whose weight FSDP2 all-gathers in
+    float8 (a DTensor over torchao's ``WeightWithDynamicFloat8CastTensor``)."""
+    if not is_float8_linear(module):
+        return False
+    weight = getattr(module, "weight", None)
+    local = getattr(weight, "_local_tensor", None)  # a DTensor's shard
+    return type(local).__name__ == "WeightWithDynamicFloat8CastTensor"
+
+
+def _mesh_ranks(weight: Any) -> tuple[int, ...]:
+    return tuple(int(r) for r in weight.device_mesh.mesh.flatten().tolist())
+
+
+class WeightScales:
+    """The float8 weight scales of FSDP2's float8 all-gather, for every layout, in one
+    all-reduce per step (see the module docstring for why and how).
+
+    Args:
+        roots: the modules whose float8 weights to cover (a model, or the pipeline stages this
+            rank holds); their ``named_modules`` names key the weights, so ranks holding the
+            same weight must see it under the same name (as ``fully_shard`` and pipeline
+            stages built from one model keep them).
+        reducer: the ranks that reduce together (a scaler's agreement group; ``None``: the whole
+            job). All of them must build a ``WeightScales`` and call :meth:`update` the same
+            number of times; building one is a collective (the keys are exchanged once).
+    """
+
+    def __init__(self, roots: Iterable[nn.Module], reducer: FlagReducer | None = None) -> None:
+        self.reducer = reducer if reducer is not None else agreement_group(None)
+        self._layers: list[tuple[tuple[tuple[int, ...], str], nn.Module]] = []
+        seen: set[int] = set()
+        for root in roots:
+            for name, module in root.named_modules():
+                if id(module) not in seen and gathers_in_float8(module):
+                    seen.add(id(module))
+                    self._layers.append(((_mesh_ranks(module.weight), name), module))
+        keys = {key for key, _ in self._layers}
+        for group in self.reducer.groups:  # a mesh's dimensions in turn: the union of all
+            everyone: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, sorted(keys), group=group)
+            keys = set().union(*(set(k) for k in everyone))
+        slot = {key: i for i, key in enumerate(sorted(keys))}
+        self._slots = [slot[key] for key, _ in self._layers]
+        self.size = len(slot)
+        self.collectives = 0
+
+    @property
+    def layers(self) -> list[str]:
+        """Names of this rank's layers whose scales are precomputed."""
+        return [name for (_, name), _ in self._layers]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Set every covered weight's float8 scale from its current amax: one all-reduce (none
+        when no rank of the group gathers in float8). No host sync. Call after each optimizer
+        step, skipped or not, and after loading weights."""
+        if self.size == 0:
+            return
+        from torchao.float8.float8_utils import EPS
+
+        modules: list[Any] = [m for _, m in self._layers]  # torchao Float8Linear layers
+        shards = [m.weight.to_local() for m in modules]
+        device = shards[0].device if shards else self.reducer.device_for(torch.device("cpu"))
+        amax = torch.zeros(self.size, dtype=torch.float32, device=device)
+        full = [i for i, s in enumerate(shards) if s.numel()]  # an empty shard contributes 0
+        if full:
+            norms = torch._foreach_norm([shards[i] for i in full], ord=float("inf"))
+            index = torch.tensor([self._slots[i] for i in full], device=device)
+            amax.index_copy_(0, index, torch.stack([n.float() for n in norms]))
+        if not self.reducer.is_noop:
+            self.reducer.all_reduce_max_(amax)
+            self.collectives += len(self.reducer.groups)
+        # torchao's arithmetic (clamp, then float64 division), so the scales are its own.
+        scales = (_float8_max(modules) / torch.clamp(amax, EPS).double()).float()
+        for module, i in zip(modules, self._slots, strict=True):
+            module.weight._local_tensor._precomputed_scale = scales[i]  # read by its all-gather
+
+
+def _float8_max(modules: list[Any]) -> float:
+    dtypes = {m.config.cast_config_weight.target_dtype for m in modules}
+    if len(dtypes) > 1:
+        raise ValueError(f"float8 weights of several float8 dtypes ({dtypes}) in one model")
+    return float(torch.finfo(dtypes.pop() if dtypes else torch.float8_e4m3fn).max)
+
+
+def fp8_tp_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
+    """``plan`` (a ``parallelize_module`` plan) with torchao's float8 styles for the layers of
+    ``model`` that run in float8: ``ColwiseParallel`` -> ``Float8ColwiseParallel``,
+    ``RowwiseParallel`` -> ``Float8RowwiseParallel``, keeping their layouts.
+
+    Only for the tensorwise recipe (torchao's float8 styles assume one scale per tensor);
+    other styles, other layers and rowwise-recipe layers keep the plan's style, under which
+    float8 layers still run (activations gathered in bf16). Call after
+    :func:`distamp.fp8.convert_for_fp8` and before ``parallelize_module``.
+
+    Raises:
+        ValueError: a plan key names no module of ``model``.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from distamp.fp8 import require_torchao
+
+    require_torchao()
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    modules = dict(model.named_modules())
+    out: dict[str, Any] = {}
+    for name, style in plan.items():
+        module = modules.get(name)
+        if module is None and not any(ch in name for ch in "*?["):
+            raise ValueError(f"fp8_tp_plan: {name!r} is not a module of the model")
+        tensorwise = (
+            module is not None
+            and is_float8_linear(module)
+            and module.config.cast_config_weight.scaling_granularity.name == "TENSORWISE"
+        )
+        swap = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
+        new = swap.get(type(style)) if tensorwise else None
+        out[name] = (
+            new(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
+            if new is not None
+            else style
+        )
+    return out
