@@ -309,9 +309,28 @@ def test_fp8_final_loss_within_2_percent_of_bf16() -> None:
 
 def _engine(strategy: str, precision: str, seed: int = 0) -> tuple[DistAMP, nn.Module]:
     torch.manual_seed(seed)
-    amp = DistAMP(precision=precision, strategy=strategy, policy=_policy(precision))
+    shard = 1 if strategy == "hsdp" else None  # HSDP on 2 ranks: 2 replicas of 1 shard
+    amp = DistAMP(
+        precision=precision, strategy=strategy, policy=_policy(precision), hsdp_shard_size=shard
+    )
     model, _ = amp.setup(GPT(SMALL), lambda p: torch.optim.AdamW(p, lr=1e-2))
     return amp, model
+
+
+def _scales_are_the_whole_weights(model: nn.Module) -> int:
+    """How many float8-gathered weights carry torchao's scale of the whole weight (asserts
+    that all do)."""
+    from torchao.float8.float8_utils import EPS
+
+    from distamp.fp8_parallel import gathers_in_float8
+
+    gathered = [(n, m) for n, m in model.named_modules() if gathers_in_float8(m)]
+    for name, module in gathered:
+        amax = module.weight.full_tensor().abs().max()
+        want = (torch.finfo(torch.float8_e4m3fn).max / torch.clamp(amax, EPS).double()).float()
+        got = module.weight._local_tensor._precomputed_scale
+        assert got is not None and torch.equal(got, want), (name, got, want)
+    return len(gathered)
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -339,11 +358,14 @@ def _nan_skip(rank: int, strategy: str) -> None:
     """A NaN on rank 0 only: every rank skips and the parameters stay bitwise equal.
 
     DDP: in the gradient flowing into one fp8 layer's output (its grad_output cast saturates),
-    before the all-reduce. FSDP2: in rank 0's shard of that layer's weight gradient, after the
-    reduce-scatter, so that only the scaler's agreement makes rank 1 skip too.
+    before the all-reduce. FSDP2/HSDP: in rank 0's shard of that layer's weight gradient, after
+    the reduce-scatter (HSDP: all-reduce), so that only the scaler's agreement makes rank 1 skip
+    too. Before that, every float8-gathered weight's scale is its whole weight's (HSDP: the
+    weight is replicated over one mesh dimension and sharded over the other).
     """
     amp, model = _engine(strategy, "fp8")
     _steps(amp, model, rank, range(2))
+    assert _scales_are_the_whole_weights(model) == (0 if strategy == "ddp" else 9)
     before = _full(model)
     fc = getattr(model, "module", model).get_submodule("blocks.1.fc")
     hook = None
@@ -358,7 +380,7 @@ def _nan_skip(rank: int, strategy: str) -> None:
     amp.backward(loss)
     if hook is not None:
         hook.remove()
-    if rank == 0 and strategy == "fsdp2":
+    if rank == 0 and strategy != "ddp":
         fc.weight.grad.to_local().view(-1)[0] = float("nan")
     result = amp.step()
     assert not result.stepped, f"rank {rank} stepped"
@@ -442,6 +464,7 @@ def _scenarios(rank: int, world: int, root: str) -> str:
         for strategy in ("ddp", "fsdp2"):
             _nan_skip(rank, strategy)
             _resume_and_cross_precision(rank, strategy, f"{root}/{strategy}")
+        _nan_skip(rank, "hsdp")  # float8 weights replicated over one mesh dimension
     return "ok"
 
 
