@@ -182,7 +182,6 @@ def _pp(rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     from distamp import DistAMP
