@@ -19,7 +19,9 @@ The contract:
   same parameters hold bitwise-equal ones;
 - accuracy: the pipeline's losses equal a single-process fp8 run of the same model on the same
   micro-batches (the weight scales are the same, so the float8 casts are), and the tensor
-  parallel losses stay within 1% of it.
+  parallel losses stay within 1% of it;
+- resume (dp_tp): saved through the engine and loaded into a freshly built job, the scales are
+  the loaded weights' and training goes on bitwise equal to the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ D = 32  # float8 GEMMs need multiples of 16
 STEPS = 5
 INJECT = {"dp_tp": 2, "pp": 1}  # step at which rank 3 feeds an inf target
 LR = 0.05
+RESUME_AT = 3  # dp_tp: saved after steps 0-2, resumed for steps 3-4
 
 
 def _policy() -> Any:
@@ -121,8 +124,9 @@ def _digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _dp_tp(rank: int) -> dict[str, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
+def _dp_tp_engine(mesh: Any, seed: int = 0) -> tuple[Any, nn.Module, list[str]]:
+    """Convert, tensor-parallelise with the float8 plan, fully_shard over dp, hand to the
+    engine. Returns the engine, the model and the tensor-parallel styles used."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -134,10 +138,11 @@ def _dp_tp(rank: int) -> dict[str, Any]:
     from distamp.fp8 import convert_for_fp8
     from distamp.fp8_parallel import fp8_tp_plan
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp = mesh.get_local_rank("dp")
     model = _model("dp_tp")
-    converted = convert_for_fp8(model, _policy(), fully_sharded=True).converted
+    if seed:
+        torch.manual_seed(seed)
+        model = TPNet()
+    convert_for_fp8(model, _policy(), fully_sharded=True)
     plan = fp8_tp_plan(model, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     parallelize_module(model, mesh["tp"], plan)
     for name in ("inp", "w1", "w2", "out"):
@@ -146,27 +151,29 @@ def _dp_tp(rank: int) -> dict[str, Any]:
     amp = DistAMP(precision="fp8", policy=_policy(), mesh=mesh)
     model, _ = amp.setup(model, lambda params: torch.optim.SGD(params, lr=LR))
     assert amp.fp8 is not None
-    out: dict[str, Any] = {
-        "converted": converted,
-        "styles": sorted(type(s).__name__ for s in plan.values()),
-    }
-    out["problems"] = _scale_problems(model, rank, "after setup")
-    out["steps"] = []
-    for step in range(STEPS):
+    return amp, model, sorted(type(s).__name__ for s in plan.values())
+
+
+def _dp_tp_steps(
+    amp: Any, model: nn.Module, mesh: Any, rank: int, steps: range, out: dict[str, Any]
+) -> list[dict[str, Any]]:
+    dp = mesh.get_local_rank("dp")
+    records = []
+    for step in steps:
         x, y = (t.chunk(2)[dp] for t in _batch("dp_tp", step))
         if step == INJECT["dp_tp"] and rank == 3:
             y = y.clone()
             y[0, 0, 0] = float("inf")
         with amp.autocast():
             loss = _mse(model(x), y)
-        before = amp.fp8.scales.collectives if amp.fp8.scales else -1
+        before = amp.fp8.scales.collectives
         amp.backward(loss)
         result = amp.step()
-        after = amp.fp8.scales.collectives if amp.fp8.scales else -1
+        after = amp.fp8.scales.collectives
         out["problems"] += _scale_problems(model, rank, f"step {step}")
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean, group=mesh.get_group("dp"))
-        out["steps"].append(
+        records.append(
             {
                 "stepped": result.stepped,
                 "loss": mean.item() / 2,
@@ -174,7 +181,27 @@ def _dp_tp(rank: int) -> dict[str, Any]:
                 "scale_collectives": after - before,
             }
         )
+    return records
+
+
+def _dp_tp(rank: int, root: str) -> dict[str, Any]:
+    """The whole run (saving through the engine after step RESUME_AT - 1), then a fresh engine
+    over a differently initialised model that loads it and runs the remaining steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    amp, model, styles = _dp_tp_engine(mesh)
+    out: dict[str, Any] = {"styles": styles, "problems": []}
+    out["problems"] += _scale_problems(model, rank, "after setup")
+    out["steps"] = _dp_tp_steps(amp, model, mesh, rank, range(RESUME_AT), out)
+    amp.save_state(root)
+    out["steps"] += _dp_tp_steps(amp, model, mesh, rank, range(RESUME_AT, STEPS), out)
     amp.close()
+    again, model, _ = _dp_tp_engine(mesh, seed=7)
+    assert again.load_state(root) and again.step_count == RESUME_AT
+    out["problems"] += _scale_problems(model, rank, "after loading")
+    out["resumed"] = _dp_tp_steps(again, model, mesh, rank, range(RESUME_AT, STEPS), out)
+    again.close()
     return out
 
 
@@ -235,12 +262,12 @@ def _pp(rank: int) -> dict[str, Any]:
     return out
 
 
-def _worker(rank: int, world: int) -> dict[str, Any]:
+def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     warnings.filterwarnings("ignore", message=".*returned a view tensor")
     import logging
 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    return {"dp_tp": _dp_tp(rank), "pp": _pp(rank)}
+    return {"dp_tp": _dp_tp(rank, root), "pp": _pp(rank)}
 
 
 def _reference(kind: str) -> list[list[float]]:
@@ -275,8 +302,8 @@ def _reference(kind: str) -> list[list[float]]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict[str, Any]]:
-    return run_ranks(_worker, 4, timeout=240)
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(_worker, 4, str(tmp_path_factory.mktemp("fp8_nd")), timeout=240)
 
 
 @pytest.mark.parametrize("kind", ["dp_tp", "pp"])
@@ -324,3 +351,15 @@ def test_fp8_losses_track_a_single_process_run(runs: list[dict[str, Any]]) -> No
         if step != INJECT["dp_tp"]:
             assert rec["loss"] == pytest.approx(sum(ref_tp[step]) / 2, rel=1e-2), step
     assert runs[0]["dp_tp"]["styles"] == ["Float8ColwiseParallel", "Float8RowwiseParallel"]
+
+
+def test_fp8_tensor_parallel_resume_is_bitwise_equal(runs: list[dict[str, Any]]) -> None:
+    """Saved through the engine (DCP: DTensor shards of float8-gathered, tensor-parallel
+    weights) and loaded into a freshly built, differently initialised job: the float8 scales are
+    recomputed from the loaded weights and training goes on bitwise as if never interrupted."""
+    for rank, res in enumerate(runs):
+        run, resumed = res["dp_tp"]["steps"][RESUME_AT:], res["dp_tp"]["resumed"]
+        assert len(resumed) == STEPS - RESUME_AT
+        for a, b in zip(run, resumed, strict=True):
+            assert (a["stepped"], a["digest"]) == (b["stepped"], b["digest"]), rank
+            assert repr(a["loss"]) == repr(b["loss"]), rank
