@@ -2,7 +2,44 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 from distamp.cluster import free_port
 from distamp.cluster.spawn import run_ranks
 
-__all__ = ["free_port", "run_ranks"]  # free_port: re-exported for the tests that import it here
+__all__ = ["free_port", "run_ranks", "run_torchrun"]  # free_port: re-exported for the tests
+
+ROOT = Path(__file__).resolve().parents[1]
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT", "DISTAMP_LAUNCHER", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+def run_torchrun(script: Path, *args: str, timeout: float = 120, nproc: int = 2) -> str:
+    """``torchrun --standalone --nproc-per-node nproc script args`` from the repository root,
+    with no launcher variables inherited; returns its stdout. The whole process group is killed
+    if it outlives ``timeout`` (workers included, not just the launcher)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [*cmd, str(script), *args], cwd=ROOT, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        raise TimeoutError(f"{script.name} did not finish in {timeout} s\n{err[-3000:]}") from None
+    assert proc.returncode == 0, f"{script.name} exited {proc.returncode}\n{err[-3000:]}"
+    return out

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +21,7 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("accelerate") is None, reason="needs distamp[accelerate]"
 )
 
-from tests._dist import run_ranks  # noqa: E402
+from tests._dist import run_ranks, run_torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, ACCUM, BAD_STEP = 4, 2, 2
@@ -131,25 +129,6 @@ def test_import_distamp_does_not_import_frameworks() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
-
-
-def run_torchrun(script: Path, *args: str, timeout: float = 120) -> str:
-    """``torchrun --standalone --nproc-per-node 2 script args``; the whole process group is
-    killed if it outlives ``timeout`` (workers included, not just the launcher)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [*cmd, str(script), *args], cwd=ROOT, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, err[-3000:]
-    return out
 
 
 def test_example_runs(tmp_path: Path) -> None:

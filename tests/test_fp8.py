@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 import time
 import warnings
@@ -21,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_ranks
+from _dist import run_ranks, run_torchrun
 from torch import nn
 
 from distamp import AutocastPolicy, DistAMP, audit, parse_precision
@@ -475,27 +472,27 @@ def test_fp8_ddp_parity_skips_agree_and_checkpoints_resume_bitwise(tmp_path: Pat
 
 def test_main_job_trains_in_fp8_under_fsdp2() -> None:
     _torchao()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(REPO / "launch" / "train.py"), "--precision", "fp8", "--strategy", "fsdp2"]
-    cmd += ["--steps", "4", "--log-interval", "2"]
-    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                     "MASTER_PORT", "DISTAMP_LAUNCHER", "TORCHELASTIC_RUN_ID")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
-        out, err = proc.communicate()
-        pytest.fail(f"launch/train.py --precision fp8 did not finish in 120 s\n{err[-3000:]}")
-    assert proc.returncode == 0, err[-3000:]
+    out = run_torchrun(
+        REPO / "launch" / "train.py",
+        *("--precision", "fp8", "--strategy", "fsdp2", "--steps", "4", "--log-interval", "2"),
+    )
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["precision"] == "fp8" and summary["strategy"] == "fsdp2"
     assert summary["fp8_layers"] == 9 and summary["skipped_steps"] == 0
     assert summary["loss_scale"] == 1.0 and summary["final_loss"] < 5.55
+
+
+def test_fp8_mesh_example_trains_tensor_parallel() -> None:
+    """launch/fp8_mesh_example.py: the GPT converted, then tensor parallel MLPs with the float8
+    styles (dp=1 x tp=2), fully_shard, DistAMP(mesh=...): every float8 layer gathered in float8
+    and the loss well below its start (ln 256 = 5.55)."""
+    _torchao()
+    out = run_torchrun(REPO / "launch" / "fp8_mesh_example.py", "--steps", "20", timeout=150)
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["layout"] == {"dp": 1, "tp": 2} and summary["skipped_steps"] == 0
+    assert summary["tp_styles"] == ["Float8ColwiseParallel", "Float8RowwiseParallel"]
+    assert len(summary["fp8_layers"]) == 9 and summary["float8_gathered"] == summary["fp8_layers"]
+    assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < 4.0, summary
 
 
 def _fp8_on_a_user_mesh(rank: int, world: int) -> str:

@@ -26,8 +26,7 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None, reason="needs distamp[lightning]"
 )
 
-from tests._dist import run_ranks  # noqa: E402
-from tests.test_accelerate import run_torchrun  # noqa: E402
+from tests._dist import run_ranks, run_torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, FEATURES = 4, 8
