@@ -77,7 +77,7 @@ class WeightScales:
 
     def __init__(self, roots: Iterable[nn.Module], reducer: FlagReducer | None = None) -> None:
         self.reducer = reducer if reducer is not None else agreement_group(None)
-        self._layers: list[tuple[tuple[tuple[int, ...], str], nn.Module]] = []
+        self._layers: list[tuple[tuple[tuple[int, ...], str], Any]] = []  # Float8Linear layers
         seen: set[int] = set()
         for root in roots:
             for name, module in root.named_modules():
@@ -90,13 +90,24 @@ class WeightScales:
             dist.all_gather_object(everyone, sorted(keys), group=group)
             keys = set().union(*(set(k) for k in everyone))
         slot = {key: i for i, key in enumerate(sorted(keys))}
+        self._layers.sort(key=lambda layer: slot[layer[0]])  # so a full set needs no scatter
         self._slots = [slot[key] for key, _ in self._layers]
         self.size = len(slot)
         self.collectives = 0
+        self._float8_max = _float8_max([m for _, m in self._layers])
+        # Shapes never change: which shards are empty (they contribute 0) and where the rest go
+        # is fixed, and so is the index of the scatter (None: a plain stack is already in order).
+        shards = self._shards()
+        self._nonempty = [i for i, s in enumerate(shards) if s.numel()]
+        in_order = self._slots == list(range(self.size))
+        self._index: torch.Tensor | None = None
+        if not (in_order and len(self._nonempty) == self.size):
+            device = shards[0].device if shards else self.reducer.device_for(torch.device("cpu"))
+            self._index = torch.tensor([self._slots[i] for i in self._nonempty], device=device)
 
     @property
     def layers(self) -> list[str]:
-        """Names of this rank's layers whose scales are precomputed."""
+        """Names of this rank's layers whose scales are precomputed (in reduction order)."""
         return [name for (_, name), _ in self._layers]
 
     @torch.no_grad()
@@ -108,22 +119,27 @@ class WeightScales:
             return
         from torchao.float8.float8_utils import EPS
 
-        modules: list[Any] = [m for _, m in self._layers]  # torchao Float8Linear layers
-        shards = [m.weight.to_local() for m in modules]
-        device = shards[0].device if shards else self.reducer.device_for(torch.device("cpu"))
-        amax = torch.zeros(self.size, dtype=torch.float32, device=device)
-        full = [i for i, s in enumerate(shards) if s.numel()]  # an empty shard contributes 0
-        if full:
-            norms = torch._foreach_norm([shards[i] for i in full], ord=float("inf"))
-            index = torch.tensor([self._slots[i] for i in full], device=device)
-            amax.index_copy_(0, index, torch.stack([n.float() for n in norms]))
+        # The high-precision tensor inside torchao's weight wrapper: one plain foreach kernel
+        # instead of a subclass dispatch (the wrapper forwards every op to it anyway).
+        shards = [getattr(s, "_tensor", s) for s in self._shards()]
+        if self._index is None:  # this rank holds every key, in slot order, none empty
+            amax = torch.stack(torch._foreach_norm(shards, ord=float("inf"))).float()
+        else:
+            amax = torch.zeros(self.size, dtype=torch.float32, device=self._index.device)
+            if self._nonempty:
+                norms = torch._foreach_norm([shards[i] for i in self._nonempty], ord=float("inf"))
+                amax.index_copy_(0, self._index, torch.stack(norms).float())
         if not self.reducer.is_noop:
             self.reducer.all_reduce_max_(amax)
             self.collectives += len(self.reducer.groups)
         # torchao's arithmetic (clamp, then float64 division), so the scales are its own.
-        scales = (_float8_max(modules) / torch.clamp(amax, EPS).double()).float()
-        for module, i in zip(modules, self._slots, strict=True):
-            module.weight._local_tensor._precomputed_scale = scales[i]  # read by its all-gather
+        scales = (self._float8_max / torch.clamp(amax, EPS).double()).float().unbind()
+        for shard, i in zip(self._shards(), self._slots, strict=True):
+            shard._precomputed_scale = scales[i]  # read by FSDP2's pre-all-gather cast
+
+    def _shards(self) -> list[Any]:
+        # torchao's WeightWithDynamicFloat8CastTensor inside each weight DTensor
+        return [m.weight._local_tensor for _, m in self._layers]
 
 
 def _float8_max(modules: list[Any]) -> float:

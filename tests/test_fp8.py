@@ -491,7 +491,8 @@ def test_fp8_mesh_example_trains_tensor_parallel() -> None:
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["layout"] == {"dp": 1, "tp": 2} and summary["skipped_steps"] == 0
     assert summary["tp_styles"] == ["Float8ColwiseParallel", "Float8RowwiseParallel"]
-    assert len(summary["fp8_layers"]) == 9 and summary["float8_gathered"] == summary["fp8_layers"]
+    assert len(summary["fp8_layers"]) == 9
+    assert sorted(summary["float8_gathered"]) == sorted(summary["fp8_layers"])
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < 4.0, summary
 
 
