@@ -47,13 +47,14 @@ from torch import nn
 
 from distamp.cluster import is_distributed
 from distamp.fp8_parallel import WeightScales, is_float8_linear
+from distamp.reduction import FlagReducer
+from distamp.topology import agreement_group
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from distamp.diagnostics import OverflowReport
     from distamp.policy import AutocastPolicy
-    from distamp.reduction import FlagReducer
 
 __all__ = [
     "DEFAULT_MIN_FEATURES",
@@ -295,6 +296,7 @@ class Float8Training:
     settings: Float8Settings
     choices: list[LinearChoice]
     all_gather: bool = False
+    adopted: bool = False  # converted by the user before parallelising (see adopt)
     scales: WeightScales | None = None
     _hooks: list[Any] = field(default_factory=list, repr=False)
 
@@ -362,8 +364,9 @@ class Float8Training:
         or torchao) before the user parallelised it: its ``Float8Linear`` layers run in fp8,
         the other Linear layers are reported with the policy's reason or as not converted.
 
-        Raises:
-            ValueError: the model has no float8 layer: it was parallelised before conversion.
+        A rank may hold no float8 layer (a pipeline stage of excluded layers); only when no rank
+        of the job holds one does :meth:`after_wrap` raise ``ValueError`` (on every rank alike):
+        then the model was parallelised before it was converted.
         """
         require_torchao()
         settings = policy.fp8
@@ -374,16 +377,7 @@ class Float8Training:
             else replace(c, fp8=False, reason="not converted before parallelising")
             for c in plan_linears(model, policy)
         ]
-        if not any(c.fp8 for c in choices):
-            raise ValueError(
-                "precision='fp8' with a model you parallelised yourself (mesh=, a pipeline "
-                "stage, wrappers or DTensor parameters) that has no float8 layer: float8 layers "
-                "must replace the Linear layers BEFORE parallelize_module/fully_shard/DDP see "
-                "them. Call distamp.fp8.convert_for_fp8(model, policy, fully_sharded=...) first "
-                "(and distamp.fp8_parallel.fp8_tp_plan for tensor parallel plans), or let the "
-                "engine wrap an unparallelised model (strategy='ddp', 'fsdp2' or 'hsdp')"
-            )
-        state = cls(settings, choices)
+        state = cls(settings, choices, adopted=True)
         state._cast_inputs(model)
         return state
 
@@ -409,6 +403,9 @@ class Float8Training:
         whole job: collective):
         which weights FSDP2 gathers in float8 and their first scales (so even the first step
         gathers with one all-reduce), and the compile guard for DDP on CUDA."""
+        reducer = reducer if reducer is not None else agreement_group(None)
+        if self.adopted:
+            _require_float8_somewhere(len(self.converted), reducer)
         self.scales = WeightScales([model], reducer)
         self.all_gather = self.scales.size > 0
         self.after_step(model)
@@ -472,6 +469,23 @@ class Float8Training:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def _require_float8_somewhere(local: int, reducer: FlagReducer) -> None:
+    """Raise on every rank alike when no rank of ``reducer`` holds a float8 layer (a collective:
+    one rank raising alone would leave the others waiting in their next collective)."""
+    count = torch.tensor([float(local)], device=reducer.device_for(torch.device("cpu")))
+    if not reducer.is_noop:
+        reducer.all_reduce_max_(count)
+    if count.item() == 0:
+        raise ValueError(
+            "precision='fp8' with a model you parallelised yourself (mesh=, a pipeline stage, "
+            "wrappers or DTensor parameters) and no float8 layer on any rank: float8 layers "
+            "must replace the Linear layers BEFORE parallelize_module/fully_shard/DDP see them. "
+            "Call distamp.fp8.convert_for_fp8(model, policy, fully_sharded=...) first (and "
+            "distamp.fp8_parallel.fp8_tp_plan for tensor parallel plans), or let the engine "
+            "wrap an unparallelised model (strategy='ddp', 'fsdp2' or 'hsdp')"
+        )
 
 
 def convert_for_fp8(

@@ -8,7 +8,9 @@ Layouts (one spawn of 4 ranks runs both):
   every layer ``fully_shard``-ed over dp, so the float8-gathered weights live on two meshes (a
   1-D dp mesh and the 2-D one), which torchao's own scale precompute refuses.
 - ``pp``: mesh (pp=2, dp=2); each stage holds 2 of the 4 layers, FSDP2 over its dp sub-mesh,
-  under GPipe with ``amp.scaled_loss_fn``.
+  under GPipe with ``amp.scaled_loss_fn``. ``pp_mixed``: the same with stage 1's layers
+  excluded from fp8, so its ranks hold no float8 weight yet must join every scale all-reduce
+  (a rank that skipped it would hang the others: Megatron-LM's missing-fp8-group failure).
 
 The contract:
 
@@ -39,15 +41,15 @@ torchao = pytest.importorskip("torchao", reason="precision='fp8' needs the fp8 e
 
 D = 32  # float8 GEMMs need multiples of 16
 STEPS = 5
-INJECT = {"dp_tp": 2, "pp": 1}  # step at which rank 3 feeds an inf target
+INJECT = {"dp_tp": 2, "pp": 1, "pp_mixed": 1}  # step at which rank 3 feeds an inf target
 LR = 0.05
 RESUME_AT = 3  # dp_tp: saved after steps 0-2, resumed for steps 3-4
 
 
-def _policy() -> Any:
+def _policy(exclude: tuple[str, ...] = ()) -> Any:
     from distamp import AutocastPolicy
 
-    return AutocastPolicy("fp8", fp8_min_features=16)
+    return AutocastPolicy("fp8", fp8_min_features=16, fp8_exclude=exclude)
 
 
 class TPNet(nn.Module):
@@ -101,12 +103,12 @@ def _expected_scale(weight: Any) -> torch.Tensor:
     return (torch.finfo(torch.float8_e4m3fn).max / torch.clamp(amax, EPS).double()).float()
 
 
-def _scale_problems(model: nn.Module, rank: int, when: str) -> list[str]:
+def _scale_problems(model: nn.Module, rank: int, when: str, *, some: bool = True) -> list[str]:
     from distamp.fp8_parallel import gathers_in_float8
 
     problems = []
     gathered = [(n, m) for n, m in model.named_modules() if gathers_in_float8(m)]
-    if not gathered:
+    if some and not gathered:
         problems.append(f"rank {rank}: no weight is gathered in float8")
     for name, module in gathered:
         got = module.weight._local_tensor._precomputed_scale
@@ -205,7 +207,9 @@ def _dp_tp(rank: int, root: str) -> dict[str, Any]:
     return out
 
 
-def _pp(rank: int) -> dict[str, Any]:
+def _pp(rank: int, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """pp=2 x dp=2; with ``exclude`` naming stage 1's layers, stage 1 holds no float8 layer
+    and must still join every step's scale all-reduce (or stage 0 would hang in it)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
@@ -218,24 +222,26 @@ def _pp(rank: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     module = _model("pp")
-    convert_for_fp8(module, _policy(), fully_sharded=True)
+    convert_for_fp8(module, _policy(exclude), fully_sharded=True)
     for name in [["2", "3"], ["0", "1"]][pp]:
         del module.layers[name]  # type: ignore[arg-type]
     for layer in module.layers.values():  # type: ignore[union-attr]
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(module, mesh=mesh["dp"])
     stage = PipelineStage(module, pp, 2, torch.device("cpu"), group=mesh.get_group("pp"))
-    amp = DistAMP(precision="fp8", policy=_policy(), mesh=mesh)
+    amp = DistAMP(precision="fp8", policy=_policy(exclude), mesh=mesh)
     amp.setup(stage, lambda params: torch.optim.SGD(params, lr=LR))
     assert amp.fp8 is not None
     schedule = ScheduleGPipe(stage, 2, loss_fn=amp.scaled_loss_fn(_mse))
-    out: dict[str, Any] = {"problems": _scale_problems(module, rank, "after setup"), "steps": []}
+    some = not (exclude and pp == 1)
+    out: dict[str, Any] = {"steps": []}
+    out["problems"] = _scale_problems(module, rank, "after setup", some=some)
     # One mesh per stage: torchao's own precompute works here, and must agree bitwise.
     gathered = [m for m in module.modules() if gathers_in_float8(m)]
     ours = [m.weight._local_tensor._precomputed_scale.clone() for m in gathered]
     precompute_float8_dynamic_scale_for_fsdp(module)
     theirs = [m.weight._local_tensor._precomputed_scale for m in gathered]
-    out["same_as_torchao"] = len(ours) == 2 and all(map(torch.equal, ours, theirs))
+    out["same_as_torchao"] = len(ours) == 2 * some and all(map(torch.equal, ours, theirs))
     for step in range(STEPS):
         x, y = (t.chunk(2)[dp] for t in _batch("pp", step))
         if step == INJECT["pp"] and rank == 3:
@@ -249,7 +255,7 @@ def _pp(rank: int) -> dict[str, Any]:
             else amp.pipeline_step(schedule, target=y, losses=losses)
         )
         after = amp.fp8.scales.collectives if amp.fp8.scales else -1
-        out["problems"] += _scale_problems(module, rank, f"step {step}")
+        out["problems"] += _scale_problems(module, rank, f"step {step}", some=some)
         out["steps"].append(
             {
                 "stepped": result.stepped,
@@ -267,7 +273,11 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     import logging
 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    return {"dp_tp": _dp_tp(rank, root), "pp": _pp(rank)}
+    return {
+        "dp_tp": _dp_tp(rank, root),
+        "pp": _pp(rank),
+        "pp_mixed": _pp(rank, exclude=("layers.2", "layers.3")),
+    }
 
 
 def _reference(kind: str) -> list[list[float]]:
@@ -306,20 +316,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_ranks(_worker, 4, str(tmp_path_factory.mktemp("fp8_nd")), timeout=240)
 
 
-@pytest.mark.parametrize("kind", ["dp_tp", "pp"])
+@pytest.mark.parametrize("kind", ["dp_tp", "pp", "pp_mixed"])
 def test_fp8_weight_scales_are_the_whole_weights_in_one_all_reduce(
     kind: str, runs: list[dict[str, Any]]
 ) -> None:
     problems = [p for res in runs for p in res[kind]["problems"]]
     assert not problems, "\n".join(problems)
-    if kind == "pp":  # where torchao's precompute works (one mesh per stage), the same bits
-        assert all(res["pp"]["same_as_torchao"] for res in runs)
+    if kind != "dp_tp":  # where torchao's precompute works (one mesh per stage), the same bits
+        assert all(res[kind]["same_as_torchao"] for res in runs)
     for rank, res in enumerate(runs):
         counts = [s["scale_collectives"] for s in res[kind]["steps"]]
         assert counts == [1] * STEPS, f"rank {rank}: scale all-reduces per step {counts}"
 
 
-@pytest.mark.parametrize("kind", ["dp_tp", "pp"])
+@pytest.mark.parametrize("kind", ["dp_tp", "pp", "pp_mixed"])
 def test_fp8_skip_is_agreed_and_replicas_stay_bitwise_equal(
     kind: str, runs: list[dict[str, Any]]
 ) -> None:
@@ -331,7 +341,7 @@ def test_fp8_skip_is_agreed_and_replicas_stay_bitwise_equal(
             moved = steps[step]["digest"] != steps[step - 1]["digest"]
             assert moved == expected[step], f"rank {rank}, step {step}: moved={moved}"
     # dp_tp: every rank holds (shards of) the same parameters; pp: the stage's dp replicas.
-    peers = {"dp_tp": [[0, 1, 2, 3]], "pp": [[0, 1], [2, 3]]}[kind]
+    peers = [[0, 1, 2, 3]] if kind == "dp_tp" else [[0, 1], [2, 3]]
     for group in peers:
         digests = [[s["digest"] for s in runs[r][kind]["steps"]] for r in group]
         assert all(d == digests[0] for d in digests), f"ranks {group} differ"
