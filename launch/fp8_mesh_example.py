@@ -37,6 +37,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--fp8-min-features", type=int, default=64, help="the main job's layers are small"
     )
+    p.add_argument("--recipe", choices=("tensorwise", "rowwise"), default="tensorwise")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = GPTConfig()
     model = GPT(cfg).to(device)
-    policy = AutocastPolicy("fp8", fp8_min_features=args.fp8_min_features)
+    policy = AutocastPolicy("fp8", recipe=args.recipe, fp8_min_features=args.fp8_min_features)
 
     # 1. float8 layers first: the TP styles and fully_shard must see them.
     fp8 = convert_for_fp8(model, policy, fully_sharded=True)
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": amp.step_count,
             "skipped_steps": stats.skipped_steps if stats else None,
             "layout": {"dp": mesh["dp"].size(), "tp": args.tp},
+            "recipe": args.recipe,
             "fp8_layers": fp8.converted,
             "float8_gathered": amp.fp8.scales.layers if amp.fp8 and amp.fp8.scales else [],
             "tp_styles": sorted({type(s).__name__ for s in plan.values()}),

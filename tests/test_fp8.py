@@ -482,17 +482,25 @@ def test_main_job_trains_in_fp8_under_fsdp2() -> None:
     assert summary["loss_scale"] == 1.0 and summary["final_loss"] < 5.55
 
 
-def test_fp8_mesh_example_trains_tensor_parallel() -> None:
-    """launch/fp8_mesh_example.py: the GPT converted, then tensor parallel MLPs with the float8
-    styles (dp=1 x tp=2), fully_shard, DistAMP(mesh=...): every float8 layer gathered in float8
-    and the loss well below its start (ln 256 = 5.55)."""
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_mesh_example_trains_tensor_parallel(recipe: str) -> None:
+    """launch/fp8_mesh_example.py: the GPT converted, then tensor parallel MLPs (dp=1 x tp=2),
+    fully_shard, DistAMP(mesh=...), and the loss well below its start (ln 256 = 5.55).
+    Tensorwise: torchao's float8 TP styles, every float8 weight gathered in float8. Rowwise:
+    the plain TP styles and bf16 gathers (torchao has neither float8 variant for it)."""
     _torchao()
-    out = run_torchrun(REPO / "launch" / "fp8_mesh_example.py", "--steps", "20", timeout=150)
+    out = run_torchrun(
+        REPO / "launch" / "fp8_mesh_example.py", "--steps", "20", "--recipe", recipe, timeout=150
+    )
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["layout"] == {"dp": 1, "tp": 2} and summary["skipped_steps"] == 0
-    assert summary["tp_styles"] == ["Float8ColwiseParallel", "Float8RowwiseParallel"]
-    assert len(summary["fp8_layers"]) == 9
-    assert sorted(summary["float8_gathered"]) == sorted(summary["fp8_layers"])
+    assert len(summary["fp8_layers"]) == 9 and summary["recipe"] == recipe
+    if recipe == "tensorwise":
+        assert summary["tp_styles"] == ["Float8ColwiseParallel", "Float8RowwiseParallel"]
+        assert sorted(summary["float8_gathered"]) == sorted(summary["fp8_layers"])
+    else:
+        assert summary["tp_styles"] == ["ColwiseParallel", "RowwiseParallel"]
+        assert summary["float8_gathered"] == []
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < 4.0, summary
 
 
