@@ -447,6 +447,8 @@ class DistAMP:
             self.scaler.attach_tracer(None)
         self._model = self._optimizer = self.scheduler = self.tracer = None
         self.comm_hook_state = None
+        if self.fp8 is not None:  # its weight scales hold the model's float8 layers
+            self.fp8.scales = None
         self.scaler = DistributedGradScaler("cpu", enabled=False)  # it held group handles
         if self._owns_group:
             shutdown_distributed()  # barrier, collection, destroy
