@@ -173,13 +173,14 @@ def environment_report(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Versions, detected launcher, CUDA/NCCL/MPI, autocast and fp8 support, launcher variables.
 
     Versions come from package metadata, so mpi4py, triton and torchao are reported without being
-    imported (importing mpi4py would initialize MPI). fp8: see :func:`distamp.fp8.fp8_support`
-    (CUDA compute capability 8.9+, or the CPU through ``torch._scaled_mm``; torchao in range).
+    imported (importing mpi4py would initialize MPI). fp8: see
+    :func:`distamp.fp8_torchao.fp8_support` (CUDA compute capability 8.9+, or the CPU through
+    ``torch._scaled_mm``; torchao in range).
     """
     import torch
     import torch.distributed as dist
 
-    from distamp.fp8 import fp8_support
+    from distamp.fp8_torchao import fp8_support
 
     env = os.environ if env is None else env
     try:

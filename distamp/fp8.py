@@ -5,14 +5,9 @@
 with the tensorwise recipe), and everything else runs under bf16 autocast exactly as with
 ``precision="bf16"``. Parameters stay fp32 (master weights), so the state dict is the bf16 run's.
 
-Which Linear layers: :func:`plan_linears` decides, from the policy alone, before anything is
-converted, and the audit shows the same decisions. A layer stays in bf16 when
-
-1. it is (inside) one of the policy's fp32 islands: the policy promised fp32 there;
-2. its name matches ``fp8_exclude`` (e.g. an output head, whose logits feed the loss);
-3. its in/out features are not multiples of 16: float8 GEMMs (``torch._scaled_mm``) require it;
-4. in or out features are below ``fp8_min_features`` (default :data:`DEFAULT_MIN_FEATURES`):
-   scaling and casting cost a pass over each operand, which small GEMMs do not earn back.
+Which Linear layers: :func:`distamp.fp8_select.plan_linears` (the policy alone decides; the
+audit shows the same decisions). torchao's version range and import: :mod:`distamp.fp8_torchao`.
+Both are re-exported here.
 
 FSDP2/HSDP: weights are all-gathered in float8 (``enable_fsdp_float8_all_gather``, tensorwise
 recipe only) and :meth:`Float8Training.after_step` computes every weight's scale in ONE
@@ -23,22 +18,12 @@ own amax all-reduce. DDP and FSDP1: float8 compute only.
 Models parallelised by hand (tensor, pipeline, expert parallel; ``DistAMP(mesh=...)``): convert
 FIRST with :func:`convert_for_fp8`, then parallelise (:func:`distamp.fp8_parallel.fp8_tp_plan`
 gives the float8 tensor-parallel styles), then hand the model to the engine.
-
-torchao is imported lazily (:func:`require_torchao`), so ``import distamp`` works without it; the
-tested range is :data:`TORCHAO_RANGE` and other versions are refused with the install command.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import importlib
-import importlib.metadata
-import logging
-import re
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,12 +32,24 @@ from torch import nn
 
 from distamp.cluster import is_distributed
 from distamp.fp8_parallel import WeightScales, is_float8_linear
+from distamp.fp8_select import (
+    DEFAULT_MIN_FEATURES,
+    FP8_RECIPES,
+    Float8Settings,
+    LinearChoice,
+    plan_linears,
+)
+from distamp.fp8_torchao import (
+    TORCHAO_RANGE,
+    check_device,
+    fp8_support,
+    require_torchao,
+    torchao_version_tested,
+)
 from distamp.reduction import FlagReducer
 from distamp.topology import agreement_group
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from distamp.diagnostics import OverflowReport
     from distamp.policy import AutocastPolicy
 
@@ -63,212 +60,16 @@ __all__ = [
     "Float8Settings",
     "Float8Training",
     "LinearChoice",
-    "convert_for_fp8",
     "SaturatedLayer",
+    "convert_for_fp8",
     "fp8_support",
+    "install_compile_guard",
     "plan_linears",
     "require_torchao",
     "torchao_version_tested",
 ]
 
-TORCHAO_RANGE = ((0, 18), (0, 19))
-"""torchao versions distamp was tested with: ``>=0.18,<0.19`` (as the ``fp8`` extra pins)."""
 
-FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
-"""torchao's recipes: one scale per tensor (cuBLAS kernel; the only one with float8 FSDP
-all-gather), or one per row (CUTLASS kernel, more accurate, power-of-2 scales)."""
-
-DEFAULT_MIN_FEATURES = 2048
-"""A Linear runs in fp8 only when both its in and out features are at least this.
-
-torchao's own H100 microbenchmark (torchao/float8/README.md, torch.compile on) has a float8
-linear at 0.80x the speed of bf16 at M, K, N = 1024, 2048, 1024 and 1.39x at 4096, 8192, 16384:
-below about 2048 features the scaling and casting passes cost more than the faster GEMM saves.
-torchao's tensorwise auto-filter draws a similar line (skips K <= 4096 with N <= 1024). The
-threshold cannot see the token count M, so it is a per-model knob (``fp8_min_features``);
-``benchmarks/fp8.py`` measures where it sits on the machine at hand."""
-
-_FP8_ALIGN = 16  # torch._scaled_mm: both GEMM dims of each operand must be multiples of 16
-
-
-@dataclass(frozen=True, kw_only=True)
-class Float8Settings:
-    """How ``precision="fp8"`` selects and runs Linear layers (held by an AutocastPolicy).
-
-    Attributes:
-        recipe: ``"tensorwise"`` (default) or ``"rowwise"`` (see :data:`FP8_RECIPES`).
-        min_features: both in and out features must be at least this for a Linear to run in
-            fp8 (see :data:`DEFAULT_MIN_FEATURES` for why the default is 2048).
-        exclude: name patterns (``fnmatch`` on the qualified name, e.g. ``"head"``,
-            ``"blocks.0.*"``) of Linear layers kept in bf16.
-        fsdp_float8_all_gather: under FSDP2/HSDP, all-gather the selected weights in float8
-            (half of bf16's bytes). Tensorwise only: torchao has no rowwise float8 all-gather,
-            so with ``recipe="rowwise"`` the weights are gathered in bf16.
-    """
-
-    recipe: str = "tensorwise"
-    min_features: int = DEFAULT_MIN_FEATURES
-    exclude: tuple[str, ...] = ()
-    fsdp_float8_all_gather: bool = True
-
-    def __post_init__(self) -> None:
-        if self.recipe not in FP8_RECIPES:
-            raise ValueError(f"recipe={self.recipe!r} is not one of {FP8_RECIPES}")
-        m = self.min_features
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise ValueError(f"fp8_min_features={m!r} must be an int >= 0")
-        if isinstance(self.exclude, str) or not all(isinstance(p, str) for p in self.exclude):
-            raise ValueError(
-                f"fp8_exclude={self.exclude!r} must be a collection of name patterns, "
-                "e.g. ('head',)"
-            )
-        if not isinstance(self.fsdp_float8_all_gather, bool):
-            raise ValueError(f"fp8_all_gather={self.fsdp_float8_all_gather!r} must be a bool")
-
-
-# ---------------------------------------------------------------------------------- selection
-@dataclass(frozen=True)
-class LinearChoice:
-    """Whether one Linear layer runs in fp8, and why (or why not)."""
-
-    name: str
-    in_features: int
-    out_features: int
-    fp8: bool
-    reason: str
-
-    def __str__(self) -> str:
-        shape = f"{self.in_features}->{self.out_features}"
-        return f"{self.name} ({shape}): {'fp8' if self.fp8 else 'bf16'}, {self.reason}"
-
-
-def plan_linears(model: nn.Module, policy: AutocastPolicy) -> list[LinearChoice]:
-    """Decide, for every ``nn.Linear`` of ``model``, whether it runs in fp8 (no torchao needed).
-
-    Pure: reads module types, names and shapes only. The rules and their order are the module
-    docstring's. Layers that already are torchao ``Float8Linear`` are reported as fp8.
-
-    Args:
-        model: the unwrapped model (names as in its ``named_modules``).
-        policy: an fp8 :class:`~distamp.AutocastPolicy` (its ``fp8`` settings and fp32 islands).
-
-    Raises:
-        ValueError: the policy's precision is not fp8.
-    """
-    settings = policy.fp8
-    if settings is None:
-        raise ValueError(f"{policy!r} is not an fp8 policy: pass AutocastPolicy('fp8', ...)")
-    islands: dict[int, str] = {}
-    for name, module in policy.fp32_modules_of(model):
-        for sub in module.modules():
-            islands[id(sub)] = name or "<root>"
-    choices = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        k, n = module.in_features, module.out_features
-        if is_float8_linear(module):
-            fp8, why = True, "already a torchao Float8Linear"
-        elif id(module) in islands:
-            fp8, why = False, f"fp32 island of the policy ({islands[id(module)]})"
-        elif any(fnmatch.fnmatchcase(name, p) for p in settings.exclude):
-            fp8, why = False, "excluded by name (fp8_exclude)"
-        elif k % _FP8_ALIGN or n % _FP8_ALIGN:
-            fp8, why = False, "in/out features not multiples of 16 (float8 GEMMs need them)"
-        elif min(k, n) < settings.min_features:
-            fp8, why = False, f"smaller than fp8_min_features={settings.min_features}"
-        else:
-            fp8, why = True, f"{settings.recipe} float8"
-        choices.append(LinearChoice(name, k, n, fp8, why))
-    return choices
-
-
-# ---------------------------------------------------------------------------------- torchao
-def torchao_version_tested(version: str) -> bool:
-    """Whether torchao ``version`` (e.g. ``"0.18.0"``, ``"0.18.1+cu128"``) is in
-    :data:`TORCHAO_RANGE`."""
-    lo, hi = TORCHAO_RANGE
-    return lo <= tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3]) < hi
-
-
-@contextmanager
-def _quiet_torchao_import() -> Iterator[None]:
-    # torchao logs a WARNING for each CUDA kernel library it cannot load; without CUDA every one
-    # fails by design, so on such machines the lines are noise (torchao 0.18, torch 2.13 CPU).
-    logger = logging.getLogger("torchao")
-    previous = logger.level
-    if not torch.cuda.is_available():
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(previous)
-
-
-def require_torchao() -> ModuleType:
-    """Import ``torchao.float8`` or explain what to install.
-
-    Raises:
-        ImportError: torchao is not installed, or its version is outside :data:`TORCHAO_RANGE`.
-    """
-    lo, hi = TORCHAO_RANGE
-    wanted = f">={'.'.join(map(str, lo))},<{'.'.join(map(str, hi))}"
-    install = f'pip install "distamp[fp8]" (torchao{wanted})'
-    try:
-        version = importlib.metadata.version("torchao")
-    except importlib.metadata.PackageNotFoundError:
-        raise ImportError(f"precision='fp8' needs torchao: {install}") from None
-    if not torchao_version_tested(version):
-        raise ImportError(
-            f"precision='fp8': torchao {version} is installed, distamp is tested with "
-            f"torchao{wanted} (float8 APIs change between releases): {install}"
-        )
-    with _quiet_torchao_import():
-        return importlib.import_module("torchao.float8")
-
-
-def fp8_support() -> dict[str, Any]:
-    """What ``distamp env`` reports: torchao, and whether this machine runs float8 GEMMs.
-
-    CUDA needs compute capability 8.9+ (Ada, Hopper and later have float8 tensor cores); the
-    CPU runs ``torch._scaled_mm`` through its reference kernel (torch 2.13 has one), which is
-    correct but not fast. Probes one 16x16 float8 GEMM on the CPU.
-    """
-    try:
-        version: str | None = importlib.metadata.version("torchao")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    in_range = version is not None and torchao_version_tested(version)
-    try:
-        a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-        one = torch.ones((), dtype=torch.float32)
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        cpu = True
-    except (RuntimeError, AttributeError, NotImplementedError):
-        cpu = False
-    cuda = [torch.cuda.get_device_capability(i) >= (8, 9) for i in range(torch.cuda.device_count())]
-    return {
-        "torchao": version,
-        "torchao_tested": in_range,
-        "cpu": cpu,
-        "cuda_sm89": cuda or None,
-        "supported": in_range and (cpu or any(cuda)),
-    }
-
-
-def _check_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
-        if (major, minor) < (8, 9):
-            raise RuntimeError(
-                f"precision='fp8' on {torch.cuda.get_device_name(index)} (compute capability "
-                f"{major}.{minor}): float8 GEMMs need 8.9+ (Ada, Hopper or later); use "
-                "precision='bf16' on this GPU"
-            )
-
-
-# ---------------------------------------------------------------------------------- training
 @dataclass(frozen=True)
 class SaturatedLayer:
     """An fp8 layer whose float8 GEMM produced a non-finite result at the reported step."""
@@ -327,7 +128,7 @@ class Float8Training:
             RuntimeError: a CUDA device without float8 support.
         """
         ao = require_torchao()
-        _check_device(device)
+        check_device(device)
         settings = policy.fp8
         assert settings is not None, "convert() needs an fp8 policy"
         choices = plan_linears(model, policy)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.fp8_torchao import require_torchao
 from distamp.reduction import FlagReducer
 from distamp.topology import agreement_group
 
@@ -163,8 +164,6 @@ def fp8_tp_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
         ValueError: a plan key names no module of ``model``.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from distamp.fp8 import require_torchao
 
     require_torchao()
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel

@@ -25,7 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from distamp.fp8 import Float8Settings
+from distamp.fp8_select import Float8Settings
 
 __all__ = [
     "AutocastPolicy",
@@ -276,7 +276,7 @@ class AutocastPolicy:
         recipe: fp8 only: torchao's scaling recipe, ``"tensorwise"`` (default) or
             ``"rowwise"``.
         fp8_min_features: fp8 only: Linear layers with fewer in or out features stay in bf16
-            (default :data:`distamp.fp8.DEFAULT_MIN_FEATURES`, 2048: smaller GEMMs are slower
+            (default :data:`distamp.fp8_select.DEFAULT_MIN_FEATURES`, 2048: smaller GEMMs are slower
             in fp8 than in bf16).
         fp8_exclude: fp8 only: name patterns of Linear layers kept in bf16 (e.g. ``"head"``).
         fp8_all_gather: fp8 only: under FSDP2/HSDP, all-gather the fp8 layers' weights in

@@ -1,0 +1,133 @@
+"""Which Linear layers run in fp8: a pure decision from the precision policy (no torchao needed).
+
+:func:`plan_linears` decides, from the policy alone, before anything is converted, and the
+audit shows the same decisions. A layer stays in bf16 when
+
+1. it is (inside) one of the policy's fp32 islands: the policy promised fp32 there;
+2. its name matches ``fp8_exclude`` (e.g. an output head, whose logits feed the loss);
+3. its in/out features are not multiples of 16: float8 GEMMs (``torch._scaled_mm``) require it;
+4. in or out features are below ``fp8_min_features`` (default :data:`DEFAULT_MIN_FEATURES`):
+   scaling and casting cost a pass over each operand, which small GEMMs do not earn back.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from distamp.fp8_parallel import is_float8_linear
+
+if TYPE_CHECKING:
+    from distamp.policy import AutocastPolicy
+
+__all__ = ["DEFAULT_MIN_FEATURES", "FP8_RECIPES", "Float8Settings", "LinearChoice", "plan_linears"]
+
+FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
+"""torchao's recipes: one scale per tensor (cuBLAS kernel; the only one with float8 FSDP
+all-gather), or one per row (CUTLASS kernel, more accurate, power-of-2 scales)."""
+
+DEFAULT_MIN_FEATURES = 2048
+"""A Linear runs in fp8 only when both its in and out features are at least this.
+
+torchao's own H100 microbenchmark (torchao/float8/README.md, torch.compile on) has a float8
+linear at 0.80x the speed of bf16 at M, K, N = 1024, 2048, 1024 and 1.39x at 4096, 8192, 16384:
+below about 2048 features the scaling and casting passes cost more than the faster GEMM saves.
+torchao's tensorwise auto-filter draws a similar line (skips K <= 4096 with N <= 1024). The
+threshold cannot see the token count M, so it is a per-model knob (``fp8_min_features``);
+``benchmarks/fp8.py`` measures where it sits on the machine at hand."""
+
+_FP8_ALIGN = 16  # torch._scaled_mm: both GEMM dims of each operand must be multiples of 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8Settings:
+    """How ``precision="fp8"`` selects and runs Linear layers (held by an AutocastPolicy).
+
+    Attributes:
+        recipe: ``"tensorwise"`` (default) or ``"rowwise"`` (see :data:`FP8_RECIPES`).
+        min_features: both in and out features must be at least this for a Linear to run in
+            fp8 (see :data:`DEFAULT_MIN_FEATURES` for why the default is 2048).
+        exclude: name patterns (``fnmatch`` on the qualified name, e.g. ``"head"``,
+            ``"blocks.0.*"``) of Linear layers kept in bf16.
+        fsdp_float8_all_gather: under FSDP2/HSDP, all-gather the selected weights in float8
+            (half of bf16's bytes). Tensorwise only: torchao has no rowwise float8 all-gather,
+            so with ``recipe="rowwise"`` the weights are gathered in bf16.
+    """
+
+    recipe: str = "tensorwise"
+    min_features: int = DEFAULT_MIN_FEATURES
+    exclude: tuple[str, ...] = ()
+    fsdp_float8_all_gather: bool = True
+
+    def __post_init__(self) -> None:
+        if self.recipe not in FP8_RECIPES:
+            raise ValueError(f"recipe={self.recipe!r} is not one of {FP8_RECIPES}")
+        m = self.min_features
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"fp8_min_features={m!r} must be an int >= 0")
+        if isinstance(self.exclude, str) or not all(isinstance(p, str) for p in self.exclude):
+            raise ValueError(
+                f"fp8_exclude={self.exclude!r} must be a collection of name patterns, "
+                "e.g. ('head',)"
+            )
+        if not isinstance(self.fsdp_float8_all_gather, bool):
+            raise ValueError(f"fp8_all_gather={self.fsdp_float8_all_gather!r} must be a bool")
+
+
+@dataclass(frozen=True)
+class LinearChoice:
+    """Whether one Linear layer runs in fp8, and why (or why not)."""
+
+    name: str
+    in_features: int
+    out_features: int
+    fp8: bool
+    reason: str
+
+    def __str__(self) -> str:
+        shape = f"{self.in_features}->{self.out_features}"
+        return f"{self.name} ({shape}): {'fp8' if self.fp8 else 'bf16'}, {self.reason}"
+
+
+def plan_linears(model: nn.Module, policy: AutocastPolicy) -> list[LinearChoice]:
+    """Decide, for every ``nn.Linear`` of ``model``, whether it runs in fp8 (no torchao needed).
+
+    Pure: reads module types, names and shapes only. The rules and their order are the module
+    docstring's. Layers that already are torchao ``Float8Linear`` are reported as fp8.
+
+    Args:
+        model: the unwrapped model (names as in its ``named_modules``).
+        policy: an fp8 :class:`~distamp.AutocastPolicy` (its ``fp8`` settings and fp32 islands).
+
+    Raises:
+        ValueError: the policy's precision is not fp8.
+    """
+    settings = policy.fp8
+    if settings is None:
+        raise ValueError(f"{policy!r} is not an fp8 policy: pass AutocastPolicy('fp8', ...)")
+    islands: dict[int, str] = {}
+    for name, module in policy.fp32_modules_of(model):
+        for sub in module.modules():
+            islands[id(sub)] = name or "<root>"
+    choices = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        k, n = module.in_features, module.out_features
+        if is_float8_linear(module):
+            fp8, why = True, "already a torchao Float8Linear"
+        elif id(module) in islands:
+            fp8, why = False, f"fp32 island of the policy ({islands[id(module)]})"
+        elif any(fnmatch.fnmatchcase(name, p) for p in settings.exclude):
+            fp8, why = False, "excluded by name (fp8_exclude)"
+        elif k % _FP8_ALIGN or n % _FP8_ALIGN:
+            fp8, why = False, "in/out features not multiples of 16 (float8 GEMMs need them)"
+        elif min(k, n) < settings.min_features:
+            fp8, why = False, f"smaller than fp8_min_features={settings.min_features}"
+        else:
+            fp8, why = True, f"{settings.recipe} float8"
+        choices.append(LinearChoice(name, k, n, fp8, why))
+    return choices
