@@ -472,3 +472,29 @@ def test_non_mpi_launcher_without_address_is_an_error() -> None:
     env = DistEnv("torchrun", 0, 2, 0, 2, 0, None, None)
     with pytest.raises(ValueError, match="set MASTER_ADDR and MASTER_PORT"):
         init_distributed(env)
+
+
+def _world_sum(rank: int, world: int) -> float:
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def test_run_ranks_retries_a_port_taken_before_rank_0_binds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The harness picks a free port and releases it before rank 0 binds it; another process
+    can take it in between. Here one is already listening on the first port offered: rank 0's
+    rendezvous fails with EADDRINUSE, and the ranks are started again on a new port."""
+    import socket
+
+    import distamp.cluster.spawn as spawn
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        offered = iter([busy.getsockname()[1]])
+        real = spawn.free_port
+        monkeypatch.setattr(spawn, "free_port", lambda: next(offered, None) or real())
+        assert spawn.run_ranks(_world_sum, 2, timeout=60) == [3.0, 3.0]
+        assert next(offered, None) is None  # the taken port was offered (and refused) first

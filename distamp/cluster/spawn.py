@@ -45,9 +45,15 @@ def _worker(
     )
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
-        )
+        try:
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            )
+        except Exception as exc:  # the port may be taken between free_port() and the bind
+            if "address already in use" in str(exc).lower() or "eaddrinuse" in str(exc).lower():
+                results.put((rank, "port", str(exc)))
+                return
+            raise
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", out))
     except BaseException:  # report everything, including AssertionError from the scenario
@@ -70,8 +76,28 @@ def run_ranks(
     would otherwise oversubscribe its cores). Returns the per-rank return values (which must be
     picklable), in rank order. Raises
     ``RuntimeError`` with the worker's traceback if any rank failed, and ``TimeoutError`` (after
-    killing every worker) if the ranks did not all finish within ``timeout`` seconds.
+    killing every worker) if the ranks did not all finish within ``timeout`` seconds. A
+    rendezvous port taken by another process before rank 0 bound it is retried with a new one.
     """
+    for _ in range(2):
+        try:
+            return _spawn(fn, world_size, args, timeout, threads)
+        except _PortTaken:
+            continue  # another process took the port before rank 0 bound it: a new one
+    try:
+        return _spawn(fn, world_size, args, timeout, threads)
+    except _PortTaken:
+        raise RuntimeError("3 free ports in a row were taken before rank 0 bound them") from None
+
+
+class _PortTaken(Exception):
+    """Rank 0 could not bind the port :func:`free_port` returned: another process took it in
+    between (the rendezvous failed before ``fn`` ran, so a new port is safe to try)."""
+
+
+def _spawn(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float, threads: int
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -87,6 +113,7 @@ def run_ranks(
         p.start()
     collected: dict[int, tuple[str, Any]] = {}
     errors: list[str] = []
+    port_taken = False
     try:
         deadline = time.monotonic() + timeout
         while len(collected) < world_size:
@@ -106,16 +133,21 @@ def run_ranks(
                     raise RuntimeError(f"rank(s) died without a result: {codes}") from None
                 continue
             collected[rank] = (status, payload)
+            if status == "port":
+                port_taken = True
+                break
             if status == "err":
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break
     finally:
         for p in procs:
-            p.join(timeout=5 if not errors else 1)
+            p.join(timeout=5 if not (errors or port_taken) else 1)
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+    if port_taken:
+        raise _PortTaken
     if errors:
         raise RuntimeError("a rank failed:\n" + "\n".join(errors))
     return [collected[r][1] for r in range(world_size)]
