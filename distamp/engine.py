@@ -39,7 +39,7 @@ from distamp.engine_config import (
     training_device,
 )
 from distamp.fp8 import Float8Training
-from distamp.loop import pipeline_loss_fn, run_pipeline_step, train_loop
+from distamp.loop import pipeline_loss_fn, pipeline_stages, run_pipeline_step, train_loop
 from distamp.metrics import Metrics, StepResult, WindowStats
 from distamp.policy import (
     AutocastPolicy,
@@ -59,7 +59,6 @@ from distamp.strategies import (
     register_comm_hook,
     resolve_strategy,
 )
-from distamp.topology import is_pipeline_stage
 
 __all__ = ["AMPConfig", "DistAMP", "StepResult"]
 
@@ -192,9 +191,11 @@ class DistAMP:
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Move ``model`` to the device, wrap it for the strategy, and build what depends on it.
 
-        ``model`` may be already parallelised (DDP, FSDP, DTensor parameters; see ``mesh``) or a
-        ``torch.distributed.pipelining`` stage, whose module is then trained: drive its schedule
-        with :meth:`pipeline_step`.
+        ``model`` may be already parallelised (DDP, FSDP, DTensor parameters; see ``mesh``), a
+        ``torch.distributed.pipelining`` stage, whose module is then trained, or the list of
+        stages this rank holds (interleaved and looped schedules: several per rank), trained as
+        one ``nn.ModuleDict`` keyed ``"stage{stage_index}"`` (the global index, so checkpoint keys
+        do not depend on which rank holds a stage). Drive the schedule with :meth:`pipeline_step`.
 
         Pass the optimizer as a factory (``lambda params: AdamW(params, lr=...)``) to have it built
         over the wrapped parameters. FSDP replaces the parameters, so an optimizer that was already
@@ -215,10 +216,8 @@ class DistAMP:
             self._owns_group = is_distributed()
         cfg = self.config
         self.device = training_device(cfg)
-        stage = None
-        if is_pipeline_stage(model):  # a torch.distributed.pipelining stage: train its module
-            stage, model = model, model.submod
-        parallelised = cfg.mesh is not None or stage is not None or is_parallelised(model)
+        stages, model = pipeline_stages(model)
+        parallelised = cfg.mesh is not None or bool(stages) or is_parallelised(model)
         self.strategy = resolve_strategy(cfg.strategy, self.world_size, parallelised=parallelised)
         self.mp_owner = select_mp_owner(cfg.precision, self.strategy, self.device.type)
         check_setup(cfg, self.strategy, optimizer, scheduler)
@@ -262,7 +261,8 @@ class DistAMP:
         self._health = ScaleHealth(min_scale=self.scaler.min_scale)  # its "at floor" warning
         # Names for reports; DDP: no extra collective; FSDP1: which parameters are shards;
         # a pipeline stage: how many ranks run the same stage.
-        self.scaler.register_module(wrapped if stage is None else stage)
+        for part in stages or [wrapped]:
+            self.scaler.register_module(part)
         if cfg.comm_hook is not None:
             assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
             self.comm_hook_state = register_comm_hook(wrapped, cfg.comm_hook, scaler=self.scaler)

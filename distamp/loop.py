@@ -18,11 +18,12 @@ from torch import nn
 
 from distamp.cluster import is_distributed, named_collective
 from distamp.metrics import StepResult, WindowStats
+from distamp.topology import is_pipeline_stage
 
 if TYPE_CHECKING:
     from distamp.engine import DistAMP
 
-__all__ = ["diagnose", "pipeline_loss_fn", "run_pipeline_step", "train_loop"]
+__all__ = ["diagnose", "pipeline_loss_fn", "pipeline_stages", "run_pipeline_step", "train_loop"]
 
 
 def train_loop(
@@ -116,3 +117,23 @@ def run_pipeline_step(amp: DistAMP, schedule: Any, *args: Any, **kwargs: Any) ->
         schedule.step(*args, **kwargs)
     amp._micro = amp.config.grad_accum_steps
     return amp.step()
+
+
+def pipeline_stages(model: Any) -> tuple[list[Any], nn.Module]:
+    """``(stages, module to train)`` for what :meth:`~distamp.DistAMP.setup` was given: no stage
+    and the model itself, one ``torch.distributed.pipelining`` stage and its module, or a list
+    of this rank's stages and a ``ModuleDict`` of their modules keyed by global stage index."""
+    if is_pipeline_stage(model):
+        return [model], model.submod
+    if isinstance(model, (list, tuple)):
+        if not model or not all(is_pipeline_stage(s) for s in model):
+            kinds = sorted({type(s).__name__ for s in model}) or ["nothing"]
+            raise ValueError(
+                "setup(): a list must hold this rank's torch.distributed.pipelining stages "
+                f"(several for interleaved schedules), got {', '.join(kinds)}"
+            )
+        indices = [s.stage_index for s in model]
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"setup(): the stages' indices repeat: {indices}")
+        return list(model), nn.ModuleDict({f"stage{s.stage_index}": s.submod for s in model})
+    return [], model

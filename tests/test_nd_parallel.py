@@ -310,51 +310,110 @@ def test_reference_clips_and_skips(kind: str) -> None:
         assert (ref.params[step] == ref.params[step - 1]) == (step in nd.INJECTIONS)
 
 
-def _engine_pipeline(rank: int, world: int) -> list[tuple[bool, float, float]]:
-    """DistAMP driving a user-built pp=2 x dp=2 job: FSDP2 per stage, a GPipe schedule."""
+def _engine_pipeline(rank: int, world: int, schedule_name: str, root: str) -> dict[str, Any]:
+    """DistAMP driving a user-built pp=2 x dp=2 job, FSDP2 per stage: GPipe over one stage per
+    rank, or Interleaved1F1B over two (setup() given the list), which also saves through the
+    engine after step 2 and resumes in freshly built stages."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     from distamp import DistAMP, DistributedGradScaler
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    module = nd._stage_module(nd.make_model("pp"), [[0, 1], [2, 3]][pp])
-    for layer in module.layers.values():  # type: ignore[union-attr]
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(module, mesh=mesh["dp"])
-    stage = PipelineStage(module, pp, 2, torch.device("cpu"), group=mesh.get_group("pp"))
-    amp = DistAMP(
-        precision="fp16",
-        mesh=mesh,
-        max_grad_norm=nd.MAX_NORM,
-        scaler=DistributedGradScaler("cpu", init_scale=1024.0),
-    )
-    amp.setup(stage, lambda params: torch.optim.SGD(params, lr=0.1))
-    assert amp.strategy == "none"  # the engine wraps nothing of a parallelised model
-    schedule = ScheduleGPipe(stage, nd.N_MICROBATCHES, loss_fn=amp.scaled_loss_fn(nd.mse))
-    out = []
-    for step in range(3):
-        x, y = nd.global_batch("pp", step)
-        x, y = x.chunk(2)[dp], y.chunk(2)[dp].clone()
-        if step == 1 and rank == 3:  # an overflowing loss on one last-stage rank
-            y[0, 0] = float("inf")
-        result = (
-            amp.pipeline_step(schedule, x) if pp == 0 else amp.pipeline_step(schedule, target=y)
+    interleaved = schedule_name == "interleaved"
+
+    def build(seed: int) -> tuple[DistAMP, Any]:
+        torch.manual_seed(seed)
+        full = nd.make_model("pp") if seed == 0 else nd.MLP()
+        split, ids = (
+            ([[0], [1], [2], [3]], [pp, pp + 2]) if interleaved else ([[0, 1], [2, 3]], [pp])
         )
-        out.append((result.stepped, result.loss_scale, float(result.grad_norm or 0.0)))
-    return out
+        stages = []
+        for sid in ids:
+            module = nd._stage_module(full, split[sid])
+            for layer in module.layers.values():  # type: ignore[union-attr]
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(module, mesh=mesh["dp"])
+            group = mesh.get_group("pp")
+            stages.append(PipelineStage(module, sid, len(split), torch.device("cpu"), group=group))
+        amp = DistAMP(
+            precision="fp16",
+            mesh=mesh,
+            max_grad_norm=nd.MAX_NORM,
+            scaler=DistributedGradScaler("cpu", init_scale=1024.0),
+        )
+        amp.setup(stages if interleaved else stages[0], lambda p: torch.optim.SGD(p, lr=0.1))
+        assert amp.strategy == "none"  # the engine wraps nothing of a parallelised model
+        loss_fn = amp.scaled_loss_fn(nd.mse)
+        schedule = (
+            ScheduleInterleaved1F1B(stages, nd.N_MICROBATCHES, loss_fn=loss_fn)
+            if interleaved
+            else ScheduleGPipe(stages[0], nd.N_MICROBATCHES, loss_fn=loss_fn)
+        )
+        return amp, schedule
+
+    def run(amp: DistAMP, schedule: Any, steps: range) -> list[tuple[Any, ...]]:
+        out = []
+        for step in steps:
+            x, y = nd.global_batch("pp", step)
+            x, y = x.chunk(2)[dp], y.chunk(2)[dp].clone()
+            if step == 1 and rank == 3:  # an overflowing loss on one last-stage rank
+                y[0, 0] = float("inf")
+            result = (
+                amp.pipeline_step(schedule, x) if pp == 0 else amp.pipeline_step(schedule, target=y)
+            )
+            digest = nd.digest([(n, p.full_tensor()) for n, p in amp.model.named_parameters()])
+            out.append((result.stepped, result.loss_scale, float(result.grad_norm or 0.0), digest))
+        return out
+
+    amp, schedule = build(0)
+    steps = run(amp, schedule, range(3))
+    names = sorted(n for n, _ in amp.model.named_parameters())
+    resumed: list[tuple[Any, ...]] = []
+    if interleaved:
+        amp.save_state(root)
+        steps += run(amp, schedule, range(3, 5))
+        again, schedule = build(7)
+        assert again.load_state(root) and again.step_count == 3
+        resumed = run(again, schedule, range(3, 5))
+        again.close()
+    amp.close()
+    return {"steps": steps, "resumed": resumed, "names": names}
 
 
-def test_engine_runs_a_pipeline_schedule_with_one_decision() -> None:
-    """``DistAMP(mesh=...)`` + ``setup(stage)`` + ``scaled_loss_fn`` + ``pipeline_step``: an inf
-    in one last-stage rank's loss skips the step on all four ranks (both stages), every rank
-    clips with the same whole-model norm, and the scale backs off everywhere alike."""
-    per_rank = run_ranks(_engine_pipeline, nd.WORLD, timeout=150)
-    for rank, steps in enumerate(per_rank):
-        assert [s[0] for s in steps] == [True, False, True], (rank, steps)
-        assert [s[1] for s in steps] == [1024.0, 512.0, 512.0], (rank, steps)
-        assert repr(steps) == repr(per_rank[0]), f"rank {rank}: {steps} vs rank 0 {per_rank[0]}"
-    assert all(math.isfinite(s[2]) and s[2] > nd.MAX_NORM for s in per_rank[0][::2])
-    assert not math.isfinite(per_rank[0][1][2])  # the skipped step's norm is the overflow's
+@pytest.mark.parametrize("schedule_name", ["gpipe", "interleaved"])
+def test_engine_runs_a_pipeline_schedule_with_one_decision(
+    schedule_name: str, tmp_path: Any
+) -> None:
+    """``DistAMP(mesh=...)`` + ``setup(stage or [stages])`` + ``scaled_loss_fn`` +
+    ``pipeline_step``: an inf in one last-stage rank's loss skips the step on all four ranks
+    (every stage), every rank clips with the same whole-model norm, and the scale backs off
+    everywhere alike. Interleaved: two stages per rank train as one ``ModuleDict`` keyed by
+    global stage index, and an engine checkpoint resumes bitwise."""
+    per_rank = run_ranks(_engine_pipeline, nd.WORLD, schedule_name, str(tmp_path), timeout=150)
+    for rank, res in enumerate(per_rank):
+        steps = res["steps"]
+        assert [s[0] for s in steps[:3]] == [True, False, True], (rank, steps)
+        assert [s[1] for s in steps[:3]] == [1024.0, 512.0, 512.0], (rank, steps)
+        mine = [s[:3] for s in steps]
+        assert repr(mine) == repr([s[:3] for s in per_rank[0]["steps"]]), f"rank {rank}"
+        assert steps[1][3] == steps[0][3] and steps[2][3] != steps[1][3]  # skipped, then moved
+    first = per_rank[0]["steps"]
+    assert all(math.isfinite(s[2]) and s[2] > nd.MAX_NORM for s in first[::2])
+    assert not math.isfinite(first[1][2])  # the skipped step's norm is the overflow's
+    for rank in (0, 2):  # dp replicas of a stage (set) hold the same parameters
+        assert [s[3] for s in per_rank[rank]["steps"]] == [
+            s[3] for s in per_rank[rank + 1]["steps"]
+        ]
+    if schedule_name == "interleaved":
+        assert per_rank[0]["names"][0].startswith("stage0.") and any(
+            n.startswith("stage2.") for n in per_rank[0]["names"]
+        )
+        for rank, res in enumerate(per_rank):
+            assert repr(res["resumed"]) == repr(res["steps"][3:]), f"rank {rank}"
