@@ -26,6 +26,7 @@ mesh=...)``, which calls :meth:`WeightScales.update` after every optimizer step.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -122,7 +123,8 @@ class WeightScales:
 
         # The high-precision tensor inside torchao's weight wrapper: one plain foreach kernel
         # instead of a subclass dispatch (the wrapper forwards every op to it anyway).
-        shards = [getattr(s, "_tensor", s) for s in self._shards()]
+        local = self._shards()
+        shards = [getattr(s, "_tensor", s) for s in local]
         if self._index is None:  # this rank holds every key, in slot order, none empty
             amax = torch.stack(torch._foreach_norm(shards, ord=float("inf"))).float()
         else:
@@ -135,7 +137,7 @@ class WeightScales:
             self.collectives += len(self.reducer.groups)
         # torchao's arithmetic (clamp, then float64 division), so the scales are its own.
         scales = (self._float8_max / torch.clamp(amax, EPS).double()).float().unbind()
-        for shard, i in zip(self._shards(), self._slots, strict=True):
+        for shard, i in zip(local, self._slots, strict=True):
             shard._precomputed_scale = scales[i]  # read by FSDP2's pre-all-gather cast
 
     def _shards(self) -> list[Any]:
@@ -160,28 +162,35 @@ def fp8_tp_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
     float8 layers still run (activations gathered in bf16). Call after
     :func:`distamp.fp8.convert_for_fp8` and before ``parallelize_module``.
 
+    Plan keys may be patterns, as ``parallelize_module`` takes them (``"blocks.*.mlp.w1"``); a
+    pattern gets the float8 style when every module it matches runs in tensorwise float8.
+
     Raises:
-        ValueError: a plan key names no module of ``model``.
+        ValueError: a plan key matches no module of ``model``.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     require_torchao()
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
+    swap = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
+    names = [name for name, _ in model.named_modules()]
     modules = dict(model.named_modules())
     out: dict[str, Any] = {}
-    for name, style in plan.items():
-        module = modules.get(name)
-        if module is None and not any(ch in name for ch in "*?["):
-            raise ValueError(f"fp8_tp_plan: {name!r} is not a module of the model")
-        tensorwise = (
-            module is not None
-            and is_float8_linear(module)
-            and module.config.cast_config_weight.scaling_granularity.name == "TENSORWISE"
-        )
-        swap = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
-        new = swap.get(type(style)) if tensorwise else None
-        out[name] = (
+    for key, style in plan.items():
+        # parallelize_module's matching: fnmatch on each dotted atom ("blocks.*.fc").
+        atoms = key.split(".")
+        matched = [
+            modules[n]
+            for n in names
+            if len(n.split(".")) == len(atoms)
+            and all(map(fnmatch.fnmatchcase, n.split("."), atoms))
+        ]
+        if not matched:
+            raise ValueError(f"fp8_tp_plan: {key!r} matches no module of the model")
+        # A float8 style refuses a plain Linear: swap only when every match runs tensorwise fp8.
+        new = swap.get(type(style)) if all(map(_tensorwise_float8, matched)) else None
+        out[key] = (
             new(
                 input_layouts=style.input_layouts[0],
                 output_layouts=style.output_layouts[0],
@@ -191,3 +200,10 @@ def fp8_tp_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
             else style
         )
     return out
+
+
+def _tensorwise_float8(module: nn.Module) -> bool:
+    if not is_float8_linear(module):
+        return False
+    config: Any = module.config
+    return bool(config.cast_config_weight.scaling_granularity.name == "TENSORWISE")

@@ -169,8 +169,16 @@ def test_convert_for_fp8_and_the_float8_tensor_parallel_plan() -> None:
     assert plan["head"].input_layouts == (Replicate(),)
     assert plan["head"].output_layouts == (Replicate(),)
     assert type(plan["small"]) is ColwiseParallel
-    with pytest.raises(ValueError, match="not a module"):
+    with pytest.raises(ValueError, match="matches no module"):
         fp8_tp_plan(model, {"nope": ColwiseParallel()})
+    # Patterns as parallelize_module takes them: atom by atom, every match must be float8.
+    nested = nn.ModuleDict({"a": _Net(), "b": _Net()})
+    convert_for_fp8(nested, AutocastPolicy("fp8", fp8_min_features=64))
+    by_pattern = fp8_tp_plan(nested, {"*.big": ColwiseParallel(), "*.small": ColwiseParallel()})
+    assert type(by_pattern["*.big"]).__name__ == "Float8ColwiseParallel"
+    assert type(by_pattern["*.small"]) is ColwiseParallel  # plain Linear layers: kept
+    with pytest.raises(ValueError, match="matches no module"):
+        fp8_tp_plan(nested, {"*": ColwiseParallel(), "big": ColwiseParallel()})
     rowwise = _Net()
     convert_for_fp8(rowwise, AutocastPolicy("fp8", recipe="rowwise", fp8_min_features=64))
     kept = fp8_tp_plan(rowwise, {"big": ColwiseParallel(input_layouts=Shard(1))})
