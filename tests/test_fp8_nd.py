@@ -11,6 +11,7 @@ Layouts (one spawn of 4 ranks runs both):
   under GPipe with ``amp.scaled_loss_fn``. ``pp_mixed``: the same with stage 1's layers
   excluded from fp8, so its ranks hold no float8 weight yet must join every scale all-reduce
   (a rank that skipped it would hang the others: Megatron-LM's missing-fp8-group failure).
+  ``pp_interleaved``: four one-layer stages, two per rank, under Interleaved1F1B.
 
 The contract:
 
@@ -28,6 +29,7 @@ The contract:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import warnings
 from typing import Any
@@ -41,7 +43,8 @@ torchao = pytest.importorskip("torchao", reason="precision='fp8' needs the fp8 e
 
 D = 32  # float8 GEMMs need multiples of 16
 STEPS = 5
-INJECT = {"dp_tp": 2, "pp": 1, "pp_mixed": 1}  # step at which rank 3 feeds an inf target
+# step at which rank 3 feeds an inf target
+INJECT = {"dp_tp": 2, "pp": 1, "pp_mixed": 1, "pp_interleaved": 1}
 LR = 0.05
 RESUME_AT = 3  # dp_tp: saved after steps 0-2, resumed for steps 3-4
 
@@ -207,12 +210,18 @@ def _dp_tp(rank: int, root: str) -> dict[str, Any]:
     return out
 
 
-def _pp(rank: int, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+def _pp(rank: int, exclude: tuple[str, ...] = (), *, interleaved: bool = False) -> dict[str, Any]:
     """pp=2 x dp=2; with ``exclude`` naming stage 1's layers, stage 1 holds no float8 layer
-    and must still join every step's scale all-reduce (or stage 0 would hang in it)."""
+    and must still join every step's scale all-reduce (or stage 0 would hang in it).
+    ``interleaved``: 4 one-layer stages, 2 per rank, under Interleaved1F1B, given to the engine
+    as a list."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     from distamp import DistAMP
@@ -221,18 +230,31 @@ def _pp(rank: int, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    module = _model("pp")
-    convert_for_fp8(module, _policy(exclude), fully_sharded=True)
-    for name in [["2", "3"], ["0", "1"]][pp]:
-        del module.layers[name]  # type: ignore[arg-type]
-    for layer in module.layers.values():  # type: ignore[union-attr]
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(module, mesh=mesh["dp"])
-    stage = PipelineStage(module, pp, 2, torch.device("cpu"), group=mesh.get_group("pp"))
+    full = _model("pp")
+    convert_for_fp8(full, _policy(exclude), fully_sharded=True)
+    split = [["0"], ["1"], ["2"], ["3"]] if interleaved else [["0", "1"], ["2", "3"]]
+    ids = [pp, pp + 2] if interleaved else [pp]
+    stages = []
+    for sid in ids:
+        part = copy.deepcopy(full)
+        for name in [n for n in list(part.layers) if n not in split[sid]]:  # type: ignore[arg-type]
+            del part.layers[name]  # type: ignore[union-attr]
+        for layer in part.layers.values():  # type: ignore[union-attr]
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(part, mesh=mesh["dp"])
+        group = mesh.get_group("pp")
+        stages.append(PipelineStage(part, sid, len(split), torch.device("cpu"), group=group))
     amp = DistAMP(precision="fp8", policy=_policy(exclude), mesh=mesh)
-    amp.setup(stage, lambda params: torch.optim.SGD(params, lr=LR))
+    module, _ = amp.setup(
+        stages if interleaved else stages[0], lambda params: torch.optim.SGD(params, lr=LR)
+    )
     assert amp.fp8 is not None
-    schedule = ScheduleGPipe(stage, 2, loss_fn=amp.scaled_loss_fn(_mse))
+    loss_fn = amp.scaled_loss_fn(_mse)
+    schedule = (
+        ScheduleInterleaved1F1B(stages, 2, loss_fn=loss_fn)
+        if interleaved
+        else ScheduleGPipe(stages[0], 2, loss_fn=loss_fn)
+    )
     some = not (exclude and pp == 1)
     out: dict[str, Any] = {"steps": []}
     out["problems"] = _scale_problems(module, rank, "after setup", some=some)
@@ -277,6 +299,7 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
         "dp_tp": _dp_tp(rank, root),
         "pp": _pp(rank),
         "pp_mixed": _pp(rank, exclude=("layers.2", "layers.3")),
+        "pp_interleaved": _pp(rank, interleaved=True),
     }
 
 
@@ -316,7 +339,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_ranks(_worker, 4, str(tmp_path_factory.mktemp("fp8_nd")), timeout=240)
 
 
-@pytest.mark.parametrize("kind", ["dp_tp", "pp", "pp_mixed"])
+@pytest.mark.parametrize("kind", ["dp_tp", "pp", "pp_mixed", "pp_interleaved"])
 def test_fp8_weight_scales_are_the_whole_weights_in_one_all_reduce(
     kind: str, runs: list[dict[str, Any]]
 ) -> None:
@@ -329,7 +352,7 @@ def test_fp8_weight_scales_are_the_whole_weights_in_one_all_reduce(
         assert counts == [1] * STEPS, f"rank {rank}: scale all-reduces per step {counts}"
 
 
-@pytest.mark.parametrize("kind", ["dp_tp", "pp", "pp_mixed"])
+@pytest.mark.parametrize("kind", ["dp_tp", "pp", "pp_mixed", "pp_interleaved"])
 def test_fp8_skip_is_agreed_and_replicas_stay_bitwise_equal(
     kind: str, runs: list[dict[str, Any]]
 ) -> None:
