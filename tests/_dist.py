@@ -11,11 +11,17 @@ from pathlib import Path
 from distamp.cluster import free_port
 from distamp.cluster.spawn import run_ranks
 
-__all__ = ["free_port", "run_ranks", "run_torchrun"]  # free_port: re-exported for the tests
+__all__ = ["free_port", "launcher_free_env", "run_ranks", "run_torchrun"]
 
 ROOT = Path(__file__).resolve().parents[1]
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                   "MASTER_PORT", "DISTAMP_LAUNCHER", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+def launcher_free_env() -> dict[str, str]:
+    """``os.environ`` without the variables a launcher sets: a job a test starts must not
+    inherit them from whatever started pytest."""
+    return {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
 
 
 def run_torchrun(script: Path, *args: str, timeout: float = 120, nproc: int = 2) -> str:
@@ -29,7 +35,7 @@ def run_torchrun(script: Path, *args: str, timeout: float = 120, nproc: int = 2)
         "--standalone",
         f"--nproc-per-node={nproc}",
     ]
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env = launcher_free_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
         [*cmd, str(script), *args], cwd=ROOT, env=env, text=True,

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from _dist import run_ranks
+from _dist import launcher_free_env, run_ranks
 from scaler_scenarios import (
     ALL_RANKS,
     CAMPAIGN_AXES,
@@ -87,8 +87,6 @@ def test_random_scenarios_are_reproducible() -> None:
 
 # ---------------------------------------------------------------------------------- stalled rank
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT", "DISTAMP_LAUNCHER", "TORCHELASTIC_RUN_ID")  # fmt: skip
 
 
 def test_stalled_rank_fails_the_others_within_the_timeout(tmp_path: Path) -> None:
@@ -98,7 +96,7 @@ def test_stalled_rank_fails_the_others_within_the_timeout(tmp_path: Path) -> Non
     cmd = [*TORCHRUN, str(REPO / "tests" / "scripts" / "fault_train.py"), "--steps", "16",
            "--out", str(tmp_path / "ckpt"), "--checkpoint-interval", "0", "--stall-at", "5",
            "--timeout", str(timeout_s)]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env = launcher_free_env()
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from _dist import launcher_free_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "tests" / "scripts" / "fault_train.py")
@@ -30,13 +31,11 @@ STEPS, INTERVAL = 12, 2
 # the next one succeeds; the workers' own rendezvous timeout makes such a round fail fast.
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "--max-restarts", "4", "--monitor-interval", "0.2"]  # fmt: skip
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT", "DISTAMP_LAUNCHER", "TORCHELASTIC_RUN_ID")  # fmt: skip
 RUN_TIMEOUT_S = 120.0
 
 
 def _start(tmp: Path, *extra: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env = launcher_free_env()
     cmd = [*TORCHRUN, SCRIPT, "--steps", str(STEPS), "--checkpoint-interval", str(INTERVAL),
            "--out", str(tmp / "ckpt"), "--result", str(tmp / "result"),
            "--progress", str(tmp / "progress.jsonl"), "--timeout", "20", *extra]  # fmt: skip

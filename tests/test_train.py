@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _dist import free_port
+from _dist import free_port, launcher_free_env
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
@@ -26,13 +26,10 @@ KEYS = {
     "final_loss", "steps", "skipped_steps", "loss_scale", "tokens_per_s",
     "world_size", "precision", "strategy",
 }  # fmt: skip
-# Variables a launcher sets: a test run must not inherit them from whatever started pytest.
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT", "DISTAMP_LAUNCHER", "TORCHELASTIC_RUN_ID")  # fmt: skip
 
 
 def _run(cmd: list[str], timeout: float = 120) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env = launcher_free_env()
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
