@@ -96,7 +96,6 @@ class Float8Training:
 
     settings: Float8Settings
     choices: list[LinearChoice]
-    all_gather: bool = False
     adopted: bool = False  # converted by the user before parallelising (see adopt)
     scales: WeightScales | None = None
     _hooks: list[Any] = field(default_factory=list, repr=False)
@@ -146,7 +145,7 @@ class Float8Training:
         ao.convert_to_float8_training(
             model, module_filter_fn=lambda _m, fqn: fqn in selected, config=config
         )
-        state = cls(settings, choices, all_gather)
+        state = cls(settings, choices)
         state._cast_inputs(model)
         if not selected and (not is_distributed() or dist.get_rank() == 0):
             why = "; ".join(str(c) for c in choices[:4]) or "the model has no nn.Linear"
@@ -208,7 +207,6 @@ class Float8Training:
         if self.adopted:
             _require_float8_somewhere(len(self.converted), reducer)
         self.scales = WeightScales([model], reducer)
-        self.all_gather = self.scales.size > 0
         self.after_step(model)
         if strategy == "ddp" and device.type == "cuda":
             # On every float8 layer, so that compiling the DDP wrapper or the model inside it

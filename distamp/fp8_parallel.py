@@ -174,17 +174,16 @@ def fp8_tp_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
     swap = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
-    names = [name for name, _ in model.named_modules()]
     modules = dict(model.named_modules())
     out: dict[str, Any] = {}
     for key, style in plan.items():
         # parallelize_module's matching: fnmatch on each dotted atom ("blocks.*.fc").
         atoms = key.split(".")
         matched = [
-            modules[n]
-            for n in names
-            if len(n.split(".")) == len(atoms)
-            and all(map(fnmatch.fnmatchcase, n.split("."), atoms))
+            module
+            for name, module in modules.items()
+            if len(parts := name.split(".")) == len(atoms)
+            and all(map(fnmatch.fnmatchcase, parts, atoms))
         ]
         if not matched:
             raise ValueError(f"fp8_tp_plan: {key!r} matches no module of the model")
