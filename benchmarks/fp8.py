@@ -35,8 +35,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from distamp.engine import DistAMP  # noqa: E402
-from distamp.fp8 import DEFAULT_MIN_FEATURES  # noqa: E402
-from distamp.policy import AutocastPolicy  # noqa: E402
+from distamp.precision.fp8 import DEFAULT_MIN_FEATURES  # noqa: E402
+from distamp.precision.policy import AutocastPolicy  # noqa: E402
 from launch.model import ShardedText, load_text  # noqa: E402
 
 

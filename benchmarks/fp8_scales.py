@@ -34,8 +34,8 @@ def _measure(rank: int, world: int, layers: int, width: int, reps: int) -> dict[
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     from distamp import AutocastPolicy
-    from distamp.fp8 import convert_for_fp8
-    from distamp.fp8_parallel import WeightScales, gathers_in_float8
+    from distamp.precision.fp8 import convert_for_fp8
+    from distamp.precision.fp8_parallel import WeightScales, gathers_in_float8
 
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))

@@ -6,7 +6,8 @@ through ``scaler.clip_grad_norm_``. Per configuration it times the median traini
 - ``torch GradScaler``: torch's scaler with ``unscale_`` + ``clip_grad_norm_`` (the baseline).
 - ``distamp, no report``: ``DistributedGradScaler(report_overflow=False)``.
 - ``distamp, report``: the default — per-gradient flags from the unscale pass, kept on device.
-- ``distamp, report + tracer``: plus :class:`distamp.diagnostics.NonFiniteTracer` forward hooks.
+- ``distamp, report + tracer``: plus :class:`distamp.observe.diagnostics.NonFiniteTracer` forward
+hooks.
 - ``torch anomaly mode``: ``torch.autograd.set_detect_anomaly(True)`` with torch's scaler, what
   users are told to try when they hunt an inf today.
 
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from distamp import DistributedGradScaler
-from distamp.diagnostics import NonFiniteTracer
+from distamp.observe.diagnostics import NonFiniteTracer
 from launch.model import DATA_FILE, GPT, GPTConfig, ShardedText, lm_loss, load_text
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from distamp.policy import AutocastPolicy  # noqa: E402
+from distamp.precision.policy import AutocastPolicy  # noqa: E402
 from launch.model import GPT, Block, GPTConfig, ShardedText, load_text  # noqa: E402
 
 

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from distamp.cluster.spawn import run_ranks  # noqa: E402
 from distamp.engine import DistAMP  # noqa: E402
-from distamp.policy import parse_precision  # noqa: E402
+from distamp.precision.policy import parse_precision  # noqa: E402
 from launch.model import GPT, GPTConfig, ShardedText, lm_loss, load_text  # noqa: E402
 
 MAX_NORM = 1.0

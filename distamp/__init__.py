@@ -7,8 +7,6 @@ the ``distamp`` command lives in :mod:`distamp.cli`. Neither is imported here.
 
 from __future__ import annotations
 
-from distamp.audit import audit
-from distamp.checkpoint import CheckpointError
 from distamp.cluster import (
     CollectiveTimeoutError,
     DistEnv,
@@ -18,9 +16,11 @@ from distamp.cluster import (
     shutdown_distributed,
 )
 from distamp.engine import DistAMP
-from distamp.metrics import StepResult
-from distamp.metrics_writers import ProgressPrinter, make_writer
-from distamp.policy import AutocastPolicy, parse_precision
+from distamp.engine.checkpoint import CheckpointError
+from distamp.observe.metrics import StepResult
+from distamp.observe.writers import ProgressPrinter, make_writer
+from distamp.precision.audit import audit
+from distamp.precision.policy import AutocastPolicy, parse_precision
 from distamp.scaler import DistributedGradScaler, ScalerStateError, ScaleUnderflowError
 
 __all__ = [

@@ -174,13 +174,14 @@ def environment_report(env: Mapping[str, str] | None = None) -> dict[str, Any]:
 
     Versions come from package metadata, so mpi4py, triton and torchao are reported without being
     imported (importing mpi4py would initialize MPI). fp8: see
-    :func:`distamp.fp8_torchao.fp8_support` (CUDA compute capability 8.9+, or the CPU through
+    :func:`distamp.precision.fp8_torchao.fp8_support` (CUDA compute capability 8.9+, or the CPU
+    through
     ``torch._scaled_mm``; torchao in range).
     """
     import torch
     import torch.distributed as dist
 
-    from distamp.fp8_torchao import fp8_support
+    from distamp.precision.fp8_torchao import fp8_support
 
     env = os.environ if env is None else env
     try:
@@ -249,7 +250,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _launch(args: argparse.Namespace) -> int:
     if args.sbatch:  # the rendezvous endpoint comes from the allocation, at run time
-        from distamp.recipes import render_sbatch
+        from distamp.cluster.recipes import render_sbatch
 
         try:
             script = render_sbatch(

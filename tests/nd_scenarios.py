@@ -564,7 +564,7 @@ def train(rank: int, scaler: Any, built: Built, steps: range) -> list[dict[str, 
 def save_state(directory: str, built: Built, scaler: Any, route: str) -> None:
     """Save model, optimizer and scaler. Collective: every rank.
 
-    ``route="engine"``: :func:`distamp.checkpoint.save_checkpoint`, the path of
+    ``route="engine"``: :func:`distamp.engine.checkpoint.save_checkpoint`, the path of
     ``DistAMP.save_state``. ``route="dcp"``: ``get_state_dict`` with
     ``flatten_optimizer_state_dict=True`` + ``dcp.save``, the scaler state written by rank 0.
     Flattening keys every optimizer hyperparameter by parameter name: unflattened, the
@@ -572,7 +572,7 @@ def save_state(directory: str, built: Built, scaler: Any, route: str) -> None:
     the other stage loads param groups that name none of its parameters.
     """
     if route == "engine":
-        from distamp.checkpoint import save_checkpoint
+        from distamp.engine.checkpoint import save_checkpoint
 
         save_checkpoint(
             directory,
@@ -596,7 +596,7 @@ def save_state(directory: str, built: Built, scaler: Any, route: str) -> None:
 def load_state(directory: str, built: Built, scaler: Any, route: str) -> None:
     """Load what :func:`save_state` saved into freshly built objects. Collective: every rank."""
     if route == "engine":
-        from distamp.checkpoint import load_checkpoint
+        from distamp.engine.checkpoint import load_checkpoint
 
         trainer = load_checkpoint(
             directory, model=built.checkpoint_module, optimizer=built.optimizer

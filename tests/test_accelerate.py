@@ -121,7 +121,7 @@ def test_unsupported_version_message() -> None:
 
 def test_import_distamp_does_not_import_frameworks() -> None:
     code = (
-        "import sys, distamp, distamp.integrations, distamp.metrics_writers; "
+        "import sys, distamp, distamp.integrations, distamp.observe.writers; "
         "print(sorted(m for m in ('accelerate', 'lightning', 'tensorboard') if m in sys.modules))"
     )
     out = subprocess.run(
@@ -149,7 +149,7 @@ def _policy_dtypes(rank: int, world: int) -> dict[str, str]:
     import torch
 
     from distamp.integrations.accelerate import DistAMPAccelerator
-    from distamp.policy import AutocastPolicy
+    from distamp.precision.policy import AutocastPolicy
 
     acc = DistAMPAccelerator(mixed_precision="fp16", cpu=True, policy=AutocastPolicy("fp16"))
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))

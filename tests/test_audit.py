@@ -1,4 +1,5 @@
-"""distamp.audit: per-module dtypes of one real forward pass, and the problems it explains."""
+"""distamp.precision.audit: per-module dtypes of one real forward pass, and the problems it
+explains."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distamp.audit import audit
-from distamp.policy import AutocastPolicy
+from distamp.precision.audit import audit
+from distamp.precision.policy import AutocastPolicy
 from distamp.scaler import DistributedGradScaler
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distamp.policy import AutocastPolicy
+from distamp.precision.policy import AutocastPolicy
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:

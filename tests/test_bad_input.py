@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from distamp import DistributedGradScaler
-from distamp.checkpoint import CheckpointError
 from distamp.engine import DistAMP
-from distamp.strategies import STRATEGIES
+from distamp.engine.checkpoint import CheckpointError
+from distamp.parallel.strategies import STRATEGIES
 
 # Values of every kind, valid or not: each field gets its plausible values and the others.
 JUNK = st.one_of(

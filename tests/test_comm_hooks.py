@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from distamp.engine import DistAMP
+from distamp.parallel.comm_hooks import _fp16_factor
 from distamp.scaler import DistributedGradScaler
-from distamp.strategies.comm_hooks import _fp16_factor
 
 STEPS = 12
 INF_STEP = 4

@@ -12,7 +12,7 @@ from test_scaler import _SyncCounter
 from torch import nn
 
 from distamp import DistributedGradScaler
-from distamp.diagnostics import ScaleHealth, trace_nonfinite
+from distamp.observe.diagnostics import ScaleHealth, trace_nonfinite
 
 INF = float("inf")
 NAN = float("nan")

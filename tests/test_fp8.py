@@ -22,7 +22,7 @@ from _dist import run_ranks, run_torchrun
 from torch import nn
 
 from distamp import AutocastPolicy, DistAMP, audit, parse_precision
-from distamp.fp8 import DEFAULT_MIN_FEATURES, plan_linears, torchao_version_tested
+from distamp.precision.fp8 import DEFAULT_MIN_FEATURES, plan_linears, torchao_version_tested
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -146,8 +146,8 @@ def test_convert_for_fp8_and_the_float8_tensor_parallel_plan() -> None:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from distamp.fp8 import convert_for_fp8
-    from distamp.fp8_parallel import fp8_tp_plan, is_float8_linear
+    from distamp.precision.fp8 import convert_for_fp8
+    from distamp.precision.fp8_parallel import fp8_tp_plan, is_float8_linear
 
     model = _Net()
     with pytest.raises(ValueError, match="not an fp8 policy"):
@@ -224,7 +224,7 @@ def test_overflow_report_names_the_saturated_fp8_layer() -> None:
 
 def test_compile_guard_raises_instead_of_compiling() -> None:
     _torchao()
-    from distamp.fp8 import install_compile_guard
+    from distamp.precision.fp8 import install_compile_guard
 
     torch.manual_seed(0)
     amp = DistAMP(precision="fp8", strategy="none", policy=_policy("fp8"))
@@ -327,7 +327,7 @@ def _scales_are_the_whole_weights(model: nn.Module) -> int:
     that all do)."""
     from torchao.float8.float8_utils import EPS
 
-    from distamp.fp8_parallel import gathers_in_float8
+    from distamp.precision.fp8_parallel import gathers_in_float8
 
     gathered = [(n, m) for n, m in model.named_modules() if gathers_in_float8(m)]
     for name, module in gathered:

@@ -107,7 +107,7 @@ def _expected_scale(weight: Any) -> torch.Tensor:
 
 
 def _scale_problems(model: nn.Module, rank: int, when: str, *, some: bool = True) -> list[str]:
-    from distamp.fp8_parallel import gathers_in_float8
+    from distamp.precision.fp8_parallel import gathers_in_float8
 
     problems = []
     gathered = [(n, m) for n, m in model.named_modules() if gathers_in_float8(m)]
@@ -140,8 +140,8 @@ def _dp_tp_engine(mesh: Any, seed: int = 0) -> tuple[Any, nn.Module, list[str]]:
     )
 
     from distamp import DistAMP
-    from distamp.fp8 import convert_for_fp8
-    from distamp.fp8_parallel import fp8_tp_plan
+    from distamp.precision.fp8 import convert_for_fp8
+    from distamp.precision.fp8_parallel import fp8_tp_plan
 
     model = _model("dp_tp")
     if seed:
@@ -225,8 +225,8 @@ def _pp(rank: int, exclude: tuple[str, ...] = (), *, interleaved: bool = False) 
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     from distamp import DistAMP
-    from distamp.fp8 import convert_for_fp8
-    from distamp.fp8_parallel import gathers_in_float8
+    from distamp.precision.fp8 import convert_for_fp8
+    from distamp.precision.fp8_parallel import gathers_in_float8
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
@@ -306,7 +306,7 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
 def _reference(kind: str) -> list[list[float]]:
     """One process, the same fp8 conversion, the micro-batches the ranks see, accumulated:
     each step's micro-batch losses (dp_tp: one per dp rank; pp: two per dp rank)."""
-    from distamp.fp8 import convert_for_fp8
+    from distamp.precision.fp8 import convert_for_fp8
 
     model = _model(kind)
     convert_for_fp8(model, _policy())

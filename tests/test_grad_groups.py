@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from distamp import DistributedGradScaler
-from distamp.grad_groups import GradPlans
+from distamp.scaler.grad_groups import GradPlans
 
 
 def _step(scaler: DistributedGradScaler, model: nn.Module, opt: torch.optim.Optimizer) -> None:

@@ -19,7 +19,7 @@ from _dist import run_ranks
 from torch import nn
 
 from distamp.engine import DistAMP
-from distamp.policy import AutocastPolicy
+from distamp.precision.policy import AutocastPolicy
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -106,7 +106,7 @@ def test_policy_dtypes_and_consistent_skips(world: int) -> None:
 
 
 def test_hsdp_shard_size_must_divide_the_world() -> None:
-    from distamp.strategies.fsdp import hsdp_mesh
+    from distamp.parallel.fsdp import hsdp_mesh
 
     with pytest.raises(ValueError, match="hsdp_shard_size=3"):
         hsdp_mesh("cpu", 4, 3)

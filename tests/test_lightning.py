@@ -156,7 +156,7 @@ def _policy_dtypes(rank: int, world: int) -> dict[str, str]:
     from lightning.fabric import Fabric
 
     from distamp.integrations.lightning import DistAMPPrecision
-    from distamp.policy import AutocastPolicy
+    from distamp.precision.policy import AutocastPolicy
 
     plugin = DistAMPPrecision("fp16", device="cpu", policy=AutocastPolicy("fp16"))
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])

@@ -465,7 +465,7 @@ def test_hooks_see_unscaled_gradients_policy_and_a_none_step(tmp_path: Path) -> 
     import torch
 
     from distamp.integrations.lightning import DistAMPTrainerPrecision
-    from distamp.policy import AutocastPolicy
+    from distamp.precision.policy import AutocastPolicy
 
     class Net(pl.LightningModule):
         def __init__(self) -> None:
@@ -584,7 +584,7 @@ def test_bad_arguments() -> None:
 
     from distamp import DistributedGradScaler
     from distamp.integrations.lightning import DistAMPFSDPPrecision, DistAMPTrainerPrecision
-    from distamp.policy import AutocastPolicy
+    from distamp.precision.policy import AutocastPolicy
 
     for cls in (DistAMPTrainerPrecision, DistAMPFSDPPrecision):
         with pytest.raises(ValueError, match=r"precision='32-true'.*mixed precision"):

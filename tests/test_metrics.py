@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from distamp import DistributedGradScaler
-from distamp.metrics import AMPMetrics, Metrics
-from distamp.metrics_writers import JSONLWriter, TensorBoardWriter, make_writer
+from distamp.observe.metrics import AMPMetrics, Metrics
+from distamp.observe.writers import JSONLWriter, TensorBoardWriter, make_writer
 
 
 def _steps(scaler: DistributedGradScaler, bad: set[int], n: int, metrics: AMPMetrics) -> None:
@@ -143,8 +143,8 @@ def test_first_window_after_restore_counts_only_its_own_skips() -> None:
 def test_progress_printer_console_line_and_jsonl(tmp_path: Path) -> None:
     import io
 
-    from distamp.metrics import WindowStats
-    from distamp.metrics_writers import ProgressPrinter
+    from distamp.observe.metrics import WindowStats
+    from distamp.observe.writers import ProgressPrinter
 
     stream, path = io.StringIO(), tmp_path / "m.jsonl"
     printer = ProgressPrinter(8, jsonl=path, stream=stream)
@@ -167,7 +167,7 @@ def test_progress_printer_console_line_and_jsonl(tmp_path: Path) -> None:
 def test_console_writer_takes_an_integration_dict() -> None:
     import io
 
-    from distamp.metrics_writers import ConsoleWriter
+    from distamp.observe.writers import ConsoleWriter
 
     assert isinstance(make_writer("console"), ConsoleWriter)
     stream = io.StringIO()

@@ -19,7 +19,8 @@ max_norm that always clips, then ``step`` and ``update``. The contract, one test
 - pipeline loss: with ``loss_fn=scaler.scaled_loss_fn(mse)`` the schedule's losses are each
   micro-batch's loss times the current scale;
 - resume: saved through DCP + ``scaler.state_dict()`` (pipelines: flattened optimizer state;
-  dp x tp and experts: ``distamp.checkpoint``, the engine's path) and resumed in freshly built
+  dp x tp and experts: ``distamp.engine.checkpoint``, the engine's path) and resumed in freshly
+  built
   objects, training goes on bitwise equal to the run that was never interrupted.
 
 A scaler-free check shows that every layout computes the reference's gradients, so a failure

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from distamp.policy import VALID_PRECISIONS, Precision, parse_precision, select_mp_owner
+from distamp.precision.policy import VALID_PRECISIONS, Precision, parse_precision, select_mp_owner
 
 FP32 = ("fp32", None, False)
 FP16 = ("fp16", torch.float16, True)

@@ -1,4 +1,4 @@
-"""The sbatch scripts (distamp.recipes, multinode/*.sbatch) and the Docker image's recipe.
+"""The sbatch scripts (distamp.cluster.recipes, multinode/*.sbatch) and the Docker image's recipe.
 
 The scripts are checked statically (bash -n, shellcheck when installed, the settings they promise)
 and run for real under a fake SLURM: ``scontrol`` and ``srun`` stand-ins on PATH (srun starts the
@@ -28,7 +28,7 @@ import pytest
 from _dist import free_port
 
 from distamp.cli import main
-from distamp.recipes import SBATCH_KINDS, render_sbatch
+from distamp.cluster.recipes import SBATCH_KINDS, render_sbatch
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # multinode/ is a directory of the repository, not of the package
@@ -101,7 +101,8 @@ def baseline() -> dict[str, Any]:
 def test_checked_in_scripts_are_the_rendering(kind: str) -> None:
     on_disk = (REPO / "multinode" / f"{kind}.sbatch").read_text()
     assert on_disk == render_sbatch(kind, **DEFAULTS), (
-        f"multinode/{kind}.sbatch differs from distamp.recipes: regenerate it with the command on "
+        f"multinode/{kind}.sbatch differs from distamp.cluster.recipes: regenerate it with the "
+        "command on "
         "its 'Rendered by' line"
     )
 

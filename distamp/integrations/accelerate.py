@@ -13,7 +13,7 @@ through an Accelerate *public* method that it overrides and then calls:
   fp16 autocast is switched on for CPU;
 - ``prepare_model``: applies the optional policy (fp32 modules and ops) under Accelerate's autocast;
 - ``prepare_optimizer``: the returned optimizer reports ``step_was_skipped`` from the scaler's
-  rank-agreed on-device flag, and feeds :class:`~distamp.metrics.AMPMetrics`;
+  rank-agreed on-device flag, and feeds :class:`~distamp.observe.metrics.AMPMetrics`;
 - ``clip_grad_norm_``: one scaler call (unscale + overflow check + norm + clip, one collective,
   correct for fused optimizers) instead of unscale, then a norm of its own;
 - ``load_state``: reloads the scaler from the checkpoint folder after Accelerate's load, so it
@@ -44,7 +44,7 @@ from accelerate import Accelerator  # noqa: E402  (only after the version check)
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
-from distamp.metrics import AMPMetrics  # noqa: E402
+from distamp.observe.metrics import AMPMetrics  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
 __all__ = ["ACCELERATE_VERSION", "SUPPORTED", "DistAMPAccelerator", "DistAMPOptimizer"]
@@ -237,7 +237,8 @@ class DistAMPAccelerator(Accelerator):
     # ------------------------------------------------------------------ metrics
     def amp_metrics_dict(self) -> dict[str, float | int | None]:
         """Loss scale, skipped steps, overflow rate, unscaled grad norm and tokens/s of the window
-        since the previous call (see :class:`~distamp.metrics.AMPMetrics`). Collective: call it on
+        since the previous call (see :class:`~distamp.observe.metrics.AMPMetrics`). Collective:
+        call it on
         every rank at the same step; count tokens with ``accelerator.amp_metrics.add_tokens``."""
         return self.amp_metrics.compute(self.scaler)
 

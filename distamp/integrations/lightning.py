@@ -40,8 +40,8 @@ from lightning.fabric.plugins.environments import ClusterEnvironment  # noqa: E4
 from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
 
 from distamp.cluster import DistEnv, detect_environment  # noqa: E402
-from distamp.metrics import AMPMetrics  # noqa: E402
-from distamp.policy import parse_precision  # noqa: E402
+from distamp.observe.metrics import AMPMetrics  # noqa: E402
+from distamp.precision.policy import parse_precision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
 if TYPE_CHECKING:

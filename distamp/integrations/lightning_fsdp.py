@@ -31,9 +31,9 @@ from distamp.integrations.lightning_trainer import (  # noqa: E402
     _DistAMPTrainerBase,
     _lightning_name,
 )
-from distamp.policy import AutocastPolicy, select_mp_owner  # noqa: E402
+from distamp.parallel.fsdp import fsdp1_mixed_precision  # noqa: E402
+from distamp.precision.policy import AutocastPolicy, select_mp_owner  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
-from distamp.strategies.fsdp import fsdp1_mixed_precision  # noqa: E402
 
 __all__ = ["LIGHTNING_VERSION", "DistAMPFSDPPrecision"]
 
@@ -46,7 +46,7 @@ class DistAMPFSDPPrecision(_DistAMPTrainerBase, FSDPPrecision):
     reduces gradients in fp16 and refuses norm clipping. This one keeps the guarantees of
     :class:`~distamp.integrations.lightning_trainer.DistAMPTrainerPrecision`, clips by norm
     counting every shard once, and leaves casting to distamp's selector
-    (:func:`distamp.policy.select_mp_owner`): on CUDA, FSDP's ``MixedPrecision`` gathers
+    (:func:`distamp.precision.policy.select_mp_owner`): on CUDA, FSDP's ``MixedPrecision`` gathers
     parameters in the compute dtype and reduces gradients in fp32; on CPU, or with a policy,
     autocast casts (FSDP's ``mixed_precision`` is then ``None``).
 

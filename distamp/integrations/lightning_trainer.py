@@ -50,9 +50,9 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 
 from distamp.integrations.lightning_scheduler import SkipAwareScheduler  # noqa: E402
-from distamp.metrics import AMPMetrics  # noqa: E402
-from distamp.policy import AutocastPolicy, parse_precision  # noqa: E402
-from distamp.policy import Precision as ParsedPrecision  # noqa: E402
+from distamp.observe.metrics import AMPMetrics  # noqa: E402
+from distamp.precision.policy import AutocastPolicy, parse_precision  # noqa: E402
+from distamp.precision.policy import Precision as ParsedPrecision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
 __all__ = ["LIGHTNING_VERSION", "DistAMPTrainerPrecision"]
@@ -257,7 +257,8 @@ class _DistAMPTrainerBase(Precision):
 
     def metrics_dict(self) -> dict[str, float | int | None]:
         """Loss scale, skipped steps, overflow rate, grad norm and tokens/s of the window since
-        the last call (see :class:`~distamp.metrics.AMPMetrics`). Collective: call it on every
+        the last call (see :class:`~distamp.observe.metrics.AMPMetrics`). Collective: call it on
+        every
         rank at the same step, e.g. from ``on_train_batch_end`` every N steps."""
         return self.metrics.compute(self._scaler)
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import distamp.checkpoint as ckpt
+import distamp.engine.checkpoint as ckpt
 from distamp.engine import DistAMP
 
 NAN_LOSS_STEPS = (3, 11)  # rank 1's loss is NaN before scaling at these steps

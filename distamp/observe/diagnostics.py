@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.cluster import is_distributed
-from distamp.topology import local_grad
+from distamp.parallel.topology import local_grad
 
 __all__ = [
     "NonFiniteTracer",
@@ -67,7 +67,7 @@ class OverflowReport:
             :class:`NonFiniteTracer` was active; ``None`` otherwise or when all were finite.
         loss_nonfinite: whether the loss itself was non-finite before scaling (tracer only).
         extra: more findings by name; ``"fp8_saturated"``: the fp8 layers whose float8 GEMMs
-            went non-finite (see :meth:`distamp.fp8.Float8Training.saturation`).
+            went non-finite (see :meth:`distamp.precision.fp8.Float8Training.saturation`).
     """
 
     step: int
@@ -92,7 +92,7 @@ class OverflowReport:
         if self.loss_nonfinite:
             parts.append("the loss itself was non-finite before scaling")
         saturated = self.extra.get("fp8_saturated")
-        if saturated:  # set by distamp.fp8 under precision="fp8"
+        if saturated:  # set by distamp.precision.fp8 under precision="fp8"
             parts.append(f"fp8 amax saturated: {', '.join(saturated[:3])}")
         return "; ".join(parts)
 

@@ -4,10 +4,12 @@ Both shard every repeated block of the model on its own and then the root, so at
 parameters are gathered at a time. "Repeated block" means an entry of an ``nn.ModuleList`` — the
 convention of transformer implementations — unless the caller names the classes to wrap.
 
-Mixed precision: when :func:`distamp.policy.select_mp_owner` hands it to FSDP, parameters are
+Mixed precision: when :func:`distamp.precision.policy.select_mp_owner` hands it to FSDP, parameters
+are
 gathered in the compute dtype but gradients are always reduced (and kept) in fp32, so the loss
 scaler sees fp32 gradients and fp16 reductions cannot overflow. With an
-:class:`~distamp.policy.AutocastPolicy`, the policy decides instead, on every device: its fp32
+:class:`~distamp.precision.policy.AutocastPolicy`, the policy decides instead, on every device: its
+fp32
 modules become units of their own gathered, computed and reduced in fp32, every other unit is
 gathered in the compute dtype and reduced in the policy's ``reduce_dtype``.
 
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distamp.policy import AutocastPolicy
+from distamp.precision.policy import AutocastPolicy
 
 __all__ = [
     "apply_fsdp1",

@@ -14,7 +14,7 @@ Why on device: reading a loss with ``.item()`` every step stalls a GPU pipeline 
 Feeding the reducer only adds into device tensors and counts in Python; a logging step packs the
 window into one tensor, reduces it across ranks with ONE collective and reads it back with ONE
 host sync (the scaler's scale and skip counter cost one sync each on top, through its public
-getters). Where the figures go (console, JSON lines, TensorBoard) is :mod:`distamp.metrics_writers`.
+getters). Where the figures go (console, JSON lines, TensorBoard) is :mod:`distamp.observe.writers`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from distamp.cluster import is_distributed
-from distamp.metrics_writers import ProgressPrinter  # re-exported: the name's old home
+from distamp.observe.writers import ProgressPrinter  # re-exported: the name's old home
 
 __all__ = ["AMPMetrics", "Metrics", "ProgressPrinter", "StepResult", "WindowStats"]
 
@@ -265,7 +265,7 @@ class AMPMetrics(Metrics):
     """The reducer for loops distamp does not drive (Accelerate, Lightning), under the names
     those integrations expose: :meth:`step` after each optimizer step (after the scaler's
     ``update``), :meth:`add_tokens` per batch, and :meth:`compute` at the logging interval for a
-    plain dict that a writer (:mod:`distamp.metrics_writers`) or a framework's own logger takes.
+    plain dict that a writer (:mod:`distamp.observe.writers`) or a framework's own logger takes.
     Only the names differ from :class:`Metrics`; the figures are computed by the same code.
 
     Args:

@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.cluster import is_distributed, named_collective
-from distamp.metrics import StepResult, WindowStats
-from distamp.topology import is_pipeline_stage
+from distamp.observe.metrics import StepResult, WindowStats
+from distamp.parallel.topology import is_pipeline_stage
 
 if TYPE_CHECKING:
-    from distamp.engine import DistAMP
+    from distamp.engine.core import DistAMP
 
 __all__ = ["diagnose", "pipeline_loss_fn", "pipeline_stages", "run_pipeline_step", "train_loop"]
 

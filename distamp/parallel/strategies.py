@@ -3,7 +3,7 @@
 Everything here that depends on the wrapper type (DDP, FSDP1, FSDP2) lives in this module, so
 the engine never inspects a wrapper itself. The wrap functions are plain keyword-only functions
 (:func:`apply_ddp`, :func:`apply_fsdp1`, :func:`apply_fsdp2`); :func:`apply_strategy` picks one.
-Loss-scale-aware DDP communication hooks live in :mod:`distamp.strategies.comm_hooks`.
+Loss-scale-aware DDP communication hooks live in :mod:`distamp.parallel.comm_hooks`.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.cluster import is_distributed
-from distamp.policy import AutocastPolicy
-from distamp.strategies.comm_hooks import COMM_HOOKS, register_comm_hook
-from distamp.strategies.ddp import apply_ddp
-from distamp.strategies.fsdp import (
+from distamp.parallel.comm_hooks import COMM_HOOKS, register_comm_hook
+from distamp.parallel.ddp import apply_ddp
+from distamp.parallel.fsdp import (
     apply_fsdp1,
     apply_fsdp2,
     fsdp1_mixed_precision,
     fsdp2_mixed_precision,
     hsdp_mesh,
 )
-from distamp.topology import is_dtensor
+from distamp.parallel.topology import is_dtensor
+from distamp.precision.policy import AutocastPolicy
 
 __all__ = [
     "COMM_HOOKS",
@@ -92,9 +92,10 @@ def apply_strategy(
 
     Args:
         strategy: ``"none"``, ``"ddp"``, ``"fsdp"``, ``"fsdp2"`` or ``"hsdp"`` (FSDP2 on a
-            2-D replicate x shard mesh, see :func:`distamp.strategies.fsdp.hsdp_mesh`).
+            2-D replicate x shard mesh, see :func:`distamp.parallel.fsdp.hsdp_mesh`).
         fsdp_dtype: compute dtype for FSDP's own mixed-precision policy, when it owns mixed
-            precision (see :func:`distamp.policy.select_mp_owner`); ``None``: no FSDP policy.
+            precision (see :func:`distamp.precision.policy.select_mp_owner`); ``None``: no FSDP
+            policy.
             Ignored when ``policy`` is given.
         policy: a precision policy; FSDP then gathers each unit in the policy's dtypes, fp32
             modules in their own fp32 units (on every device: the policy owns the dtypes).

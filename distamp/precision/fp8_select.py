@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from distamp.fp8_parallel import is_float8_linear
+from distamp.precision.fp8_parallel import is_float8_linear
 
 if TYPE_CHECKING:
-    from distamp.policy import AutocastPolicy
+    from distamp.precision.policy import AutocastPolicy
 
 __all__ = ["DEFAULT_MIN_FEATURES", "FP8_RECIPES", "Float8Settings", "LinearChoice", "plan_linears"]
 

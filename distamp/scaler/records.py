@@ -4,7 +4,7 @@ torch's GradScaler keeps a dict per optimizer whose keys appear along the way (`
 ``"found_inf_per_device"``); here each optimizer gets a typed :class:`OptimizerStep`, created on
 first use by :class:`StepRecords` and dropped at ``update()``. :func:`agree_pending` packs the
 local flags of every record still waiting into one tensor, reduces it in one collective
-(:mod:`distamp.reduction`) and hands every record the same agreed flag.
+(:mod:`distamp.parallel.reduction`) and hands every record the same agreed flag.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-from distamp import reduction
+from distamp.parallel import reduction
 
 __all__ = [
     "OptimizerStep",

@@ -25,7 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from distamp.fp8_select import Float8Settings
+from distamp.precision.fp8_select import Float8Settings
 
 __all__ = [
     "AutocastPolicy",
@@ -51,7 +51,7 @@ class Precision:
             underflows small gradients, while bf16 shares fp32's exponent range (fp8 keeps its
             gradients in bf16/fp32 and scales each float8 operand itself, per tensor or row).
         float8_linears: the Linear layers the policy selects run in float8 (torchao, see
-            :mod:`distamp.fp8`); everything else computes in ``compute_dtype`` (bf16).
+            :mod:`distamp.precision.fp8`); everything else computes in ``compute_dtype`` (bf16).
     """
 
     name: str
@@ -276,14 +276,16 @@ class AutocastPolicy:
         recipe: fp8 only: torchao's scaling recipe, ``"tensorwise"`` (default) or
             ``"rowwise"``.
         fp8_min_features: fp8 only: Linear layers with fewer in or out features stay in bf16
-            (default :data:`distamp.fp8_select.DEFAULT_MIN_FEATURES`, 2048: smaller GEMMs are slower
+            (default :data:`distamp.precision.fp8_select.DEFAULT_MIN_FEATURES`, 2048: smaller GEMMs
+            are slower
             in fp8 than in bf16).
         fp8_exclude: fp8 only: name patterns of Linear layers kept in bf16 (e.g. ``"head"``).
         fp8_all_gather: fp8 only: under FSDP2/HSDP, all-gather the fp8 layers' weights in
             float8 (default True; tensorwise recipe only).
 
         With ``"fp8"``, the Linear layers outside the fp32 modules that pass the fp8 rules run
-        in float8 and everything else as under ``"bf16"`` (see :mod:`distamp.fp8`); the fp32
+        in float8 and everything else as under ``"bf16"`` (see :mod:`distamp.precision.fp8`); the
+        fp32
         modules are never converted.
 
     Raises:

@@ -1,10 +1,11 @@
 """Where the reduced figures go: pluggable writers behind one small interface.
 
 Every writer has ``write(step, metrics)`` and ``close()`` (:class:`MetricsWriter`), and takes
-the plain dicts that :meth:`distamp.metrics.WindowStats.as_dict` and
-:meth:`distamp.metrics.AMPMetrics.compute` return, so one logging call serves the engine and the
+the plain dicts that :meth:`distamp.observe.metrics.WindowStats.as_dict` and
+:meth:`distamp.observe.metrics.AMPMetrics.compute` return, so one logging call serves the engine
+and the
 integrations. Writers hold no figures of their own: the numbers are computed once, by the reducer
-in :mod:`distamp.metrics`, and a writer only formats them.
+in :mod:`distamp.observe.metrics`, and a writer only formats them.
 
 - :class:`ConsoleWriter`: a progress line on stderr;
 - :class:`JSONLWriter`: one JSON object per window in a file (default, no dependency);
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from distamp.cluster import is_distributed
 
 if TYPE_CHECKING:
-    from distamp.metrics import WindowStats
+    from distamp.observe.metrics import WindowStats
 
 __all__ = [
     "ConsoleWriter",

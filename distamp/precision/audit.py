@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distamp.fp8_select import LinearChoice, plan_linears
-from distamp.policy import AutocastPolicy, PrecisionLike, parse_precision
+from distamp.precision.fp8_select import LinearChoice, plan_linears
+from distamp.precision.policy import AutocastPolicy, PrecisionLike, parse_precision
 
 __all__ = ["AuditReport", "ModuleRecord", "audit"]
 
@@ -69,7 +69,8 @@ class AuditReport:
     """The audit: one :class:`ModuleRecord` per module that ran, in call order, and the problems
     found (each names the cause and the fix). ``str(report)`` is the table.
 
-    Under ``precision="fp8"``, ``fp8`` holds one :class:`~distamp.fp8_select.LinearChoice` per
+    Under ``precision="fp8"``, ``fp8`` holds one
+    :class:`~distamp.precision.fp8_select.LinearChoice` per
     Linear layer: whether it runs in float8 and, if not, why (fp32 island, ``fp8_exclude``,
     features not multiples of 16, below ``fp8_min_features``)."""
 
@@ -201,7 +202,8 @@ def audit(
         example_inputs: positional inputs for one forward pass.
         precision: the training precision (any :func:`~distamp.parse_precision` spelling).
             ``"fp8"`` also lists which Linear layers run in float8 and why the others do not
-            (by :func:`distamp.fp8_select.plan_linears`; the forward itself runs the model as it is,
+            (by :func:`distamp.precision.fp8_select.plan_linears`; the forward itself runs the
+            model as it is,
             converted or not, under bf16 autocast).
         device_type: autocast's device type; default: the device of the first parameter.
         policy: audit under this :class:`~distamp.AutocastPolicy` instead of plain autocast

@@ -1,7 +1,8 @@
 """Rank-wide agreement on found_inf: every flag of a step (and a norm term) in ONE collective.
 
 The skip decision is only safe if every rank takes it from the same number. *Which* ranks must
-agree is :mod:`distamp.topology`'s question; this module owns *how* their flags are combined:
+agree is :mod:`distamp.parallel.topology`'s question; this module owns *how* their flags are
+combined:
 packed into one tensor in a fixed order, reduced with MAX — never SUM, because fused optimizers
 skip only when found_inf is exactly 1 — or, when a norm term rides along, SUM-reduced and folded
 back to {0, 1}.

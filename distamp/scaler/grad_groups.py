@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from distamp.diagnostics import OverflowRecorder
 from distamp.kernels import unscale_check_sumsq_
-from distamp.topology import is_dtensor, local_grad
+from distamp.observe.diagnostics import OverflowRecorder
+from distamp.parallel.topology import is_dtensor, local_grad
 
 __all__ = ["GradGroup", "GradPlan", "GradPlans", "check_groups_"]
 

@@ -11,12 +11,17 @@ from typing import Any
 
 import torch
 
-from distamp.diagnostics import NonFiniteTracer, OverflowRecorder, OverflowReport, build_report
-from distamp.grad_groups import GradPlans
-from distamp.scale_state import ScaleState
-from distamp.scaler_config import validate_state_dict
-from distamp.step_record import StepRecords
-from distamp.topology import Topology
+from distamp.observe.diagnostics import (
+    NonFiniteTracer,
+    OverflowRecorder,
+    OverflowReport,
+    build_report,
+)
+from distamp.parallel.topology import Topology
+from distamp.scaler.config import validate_state_dict
+from distamp.scaler.grad_groups import GradPlans
+from distamp.scaler.records import StepRecords
+from distamp.scaler.scale_state import ScaleState
 
 __all__ = ["ScalerReporting"]
 
@@ -73,7 +78,8 @@ class ScalerReporting(torch.amp.GradScaler):
         return 0 if streak is None else int(streak.item())  # host sync, on request only
 
     def attach_tracer(self, tracer: NonFiniteTracer | None) -> None:
-        """Follow a :class:`~distamp.diagnostics.NonFiniteTracer`: its forward record is kept
+        """Follow a :class:`~distamp.observe.diagnostics.NonFiniteTracer`: its forward record is
+        kept
         for skipped steps and appears in :meth:`overflow_report`. ``None`` detaches."""
         self._tracer = tracer
 

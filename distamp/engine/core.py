@@ -4,8 +4,9 @@ It owns the order of operations that is easy to get wrong by hand: wrap the mode
 optimizer exists (FSDP), scale before backward, divide by the accumulation count, suppress gradient
 sync on all but the last micro-batch, unscale once before clipping, clip with the wrapper's own
 method, step and update the scaler, and step the LR scheduler only when the optimizer really
-stepped. Wrapping lives in :mod:`distamp.strategies`, saving in :mod:`distamp.checkpoint`,
-counters in :mod:`distamp.metrics`.
+stepped. Wrapping lives in :mod:`distamp.parallel.strategies`, saving in
+:mod:`distamp.engine.checkpoint`,
+counters in :mod:`distamp.observe.metrics`.
 """
 
 from __future__ import annotations
@@ -21,15 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distamp.checkpoint import load_checkpoint, save_checkpoint
 from distamp.cluster import (
     init_distributed,
     is_distributed,
     named_collective,
     shutdown_distributed,
 )
-from distamp.diagnostics import NonFiniteTracer, ScaleHealth
-from distamp.engine_config import (
+from distamp.engine.checkpoint import load_checkpoint, save_checkpoint
+from distamp.engine.config import (
     AMPConfig,
     OptimizerArg,
     SchedulerArg,
@@ -38,19 +38,10 @@ from distamp.engine_config import (
     parse_device,
     training_device,
 )
-from distamp.fp8 import Float8Training
-from distamp.loop import pipeline_loss_fn, pipeline_stages, run_pipeline_step, train_loop
-from distamp.metrics import Metrics, StepResult, WindowStats
-from distamp.policy import (
-    AutocastPolicy,
-    MPOwner,
-    Precision,
-    PrecisionLike,
-    parse_precision,
-    select_mp_owner,
-)
-from distamp.scaler import DistributedGradScaler
-from distamp.strategies import (
+from distamp.engine.loop import pipeline_loss_fn, pipeline_stages, run_pipeline_step, train_loop
+from distamp.observe.diagnostics import NonFiniteTracer, ScaleHealth
+from distamp.observe.metrics import Metrics, StepResult, WindowStats
+from distamp.parallel.strategies import (
     SHARDED,
     apply_strategy,
     gradient_sync_disabled,
@@ -59,6 +50,16 @@ from distamp.strategies import (
     register_comm_hook,
     resolve_strategy,
 )
+from distamp.precision.fp8 import Float8Training
+from distamp.precision.policy import (
+    AutocastPolicy,
+    MPOwner,
+    Precision,
+    PrecisionLike,
+    parse_precision,
+    select_mp_owner,
+)
+from distamp.scaler import DistributedGradScaler
 
 __all__ = ["AMPConfig", "DistAMP", "StepResult"]
 
@@ -67,11 +68,13 @@ class DistAMP:
     """Mixed-precision training engine.
 
     Args:
-        precision: any spelling :func:`distamp.policy.parse_precision` accepts ("bf16", "fp16",
+        precision: any spelling :func:`distamp.precision.policy.parse_precision` accepts ("bf16",
+        "fp16",
             "16-mixed", torch.float16...). fp16 gets a :class:`~distamp.DistributedGradScaler`;
             bf16 and fp32 need no loss scaling and get a check-only one (non-finite steps are
             still skipped on every rank). "fp8": the policy's selected Linear layers run as
-            torchao float8 layers, the rest as bf16, check-only scaler (see :mod:`distamp.fp8`).
+            torchao float8 layers, the rest as bf16, check-only scaler (see
+            :mod:`distamp.precision.fp8`).
         strategy: "ddp", "fsdp" (FSDP1), "fsdp2" (``fully_shard``), "none", or "auto" (ddp when
             more than one rank, else none).
         policy: an :class:`~distamp.AutocastPolicy` (its precision must be ``precision``), or
@@ -79,7 +82,7 @@ class DistAMP:
             CPU and CUDA; under FSDP also the per-unit gather/reduce dtypes. ``None``: plain
             autocast.
         comm_hook: DDP gradient compression aware of loss scaling: ``"fp16"``, ``"bf16"``,
-            ``"powersgd"`` (see :mod:`distamp.strategies.comm_hooks`), or ``None``.
+            ``"powersgd"`` (see :mod:`distamp.parallel.comm_hooks`), or ``None``.
         hsdp_shard_size: ranks per shard group for ``strategy="hsdp"`` (default: one node).
         mesh: the job's ``DeviceMesh`` when you parallelised the model yourself, torchtitan
             style (``parallelize_module`` for TP, ``fully_shard`` over dp, pipeline stages): the
@@ -93,7 +96,7 @@ class DistAMP:
         timeout: seconds for the rendezvous when :meth:`setup` has to initialize the group.
         device: the training device; ``None``: this rank's CUDA device if any, else CPU.
         trace_nonfinite: forward hooks that find the first module whose output went inf/NaN,
-            for the overflow report (see :mod:`distamp.diagnostics`; costs one reduction per
+            for the overflow report (see :mod:`distamp.observe.diagnostics`; costs one reduction per
             module output, ~4% of the main job's step on CPU).
 
     Raises:
@@ -390,7 +393,7 @@ class DistAMP:
 
     def save_state(self, directory: str | Path, *, keep: int = 2) -> Path:
         """Save model, optimizer, scheduler, scaler, step counter and RNG streams atomically
-        (see :mod:`distamp.checkpoint`). Collective: call on every rank."""
+        (see :mod:`distamp.engine.checkpoint`). Collective: call on every rank."""
         if self._micro:
             raise RuntimeError(
                 "save_state() in the middle of an accumulation cycle: call it after step()"

@@ -6,8 +6,9 @@ stages that never see each other's gradients, one rank can see an inf that anoth
 rank skips and backs off, the other steps, and the model diverges silently. This scaler keeps
 torch's state machine (READY -> UNSCALED -> STEPPED -> update) and changes one thing: before any
 decision is taken, every pending found_inf flag of the step is packed into one tensor and
-MAX-reduced over the whole job (:mod:`distamp.reduction`, over the ranks
-:mod:`distamp.topology` names). Everything after that (optimizer gating, scale update) then runs
+MAX-reduced over the whole job (:mod:`distamp.parallel.reduction`, over the ranks
+:mod:`distamp.parallel.topology` names). Everything after that (optimizer gating, scale update)
+then runs
 on identical numbers on every rank.
 
 Beyond torch it adds hysteresis, min/max scale, one-pass clipping whose norm counts every element
@@ -24,15 +25,13 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-from distamp import reduction
-from distamp.clipping import clip_scaler_grads_
-from distamp.diagnostics import NonFiniteTracer, OverflowRecorder
-from distamp.grad_groups import GradPlan, GradPlans, check_groups_
-from distamp.scale_state import ScaleState, ScaleUnderflowError
-from distamp.scale_update import ScaleRule, update_scale_
-from distamp.scaler_config import check_device, check_scaler_args
-from distamp.scaler_reporting import ScalerReporting
-from distamp.step_record import (
+from distamp.observe.diagnostics import NonFiniteTracer, OverflowRecorder
+from distamp.parallel import reduction
+from distamp.parallel.topology import Topology
+from distamp.scaler.clipping import clip_scaler_grads_
+from distamp.scaler.config import check_device, check_scaler_args
+from distamp.scaler.grad_groups import GradPlan, GradPlans, check_groups_
+from distamp.scaler.records import (
     OptimizerStep,
     ScalerStateError,
     StepRecords,
@@ -40,8 +39,10 @@ from distamp.step_record import (
     is_fused,
     reciprocal,
 )
-from distamp.sync_free import fused_step, masked_step
-from distamp.topology import Topology
+from distamp.scaler.reporting import ScalerReporting
+from distamp.scaler.scale_state import ScaleState, ScaleUnderflowError
+from distamp.scaler.scale_update import ScaleRule, update_scale_
+from distamp.scaler.sync_free import fused_step, masked_step
 
 __all__ = ["DistributedGradScaler", "OptimizerStep", "ScaleUnderflowError", "ScalerStateError"]
 
@@ -344,7 +345,7 @@ class DistributedGradScaler(ScalerReporting):
         reducer: reduction.FlagReducer | None = None,
     ) -> torch.Tensor | None:
         """Agree on every unreduced flag of this step (and ``extra``, a norm term) with ONE
-        collective (:func:`~distamp.step_record.agree_pending`); return the reduced ``extra``."""
+        collective (:func:`~distamp.scaler.records.agree_pending`); return the reduced ``extra``."""
         pending = self._pending()
         if not pending and extra is None:
             return None

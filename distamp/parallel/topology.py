@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.cluster import is_distributed
-from distamp.reduction import FlagReducer, GroupSpec
+from distamp.parallel.reduction import FlagReducer, GroupSpec
 
 __all__ = [
     "Topology",

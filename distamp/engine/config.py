@@ -2,7 +2,7 @@
 
 Every bad value is rejected when ``DistAMP(...)`` is constructed, with a ``ValueError`` naming
 the field, so that no rank discovers a typo after it joined a process group. Number checks are
-:func:`distamp.scaler_config.check_number`'s, the same as the scaler's.
+:func:`distamp.scaler.config.check_number`'s, the same as the scaler's.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from distamp.policy import AutocastPolicy, Precision
+from distamp.parallel.strategies import COMM_HOOKS, SHARDED, STRATEGIES
+from distamp.precision.policy import AutocastPolicy, Precision
 from distamp.scaler import DistributedGradScaler
-from distamp.scaler_config import check_number
-from distamp.strategies import COMM_HOOKS, SHARDED, STRATEGIES
+from distamp.scaler.config import check_number
 
 __all__ = [
     "AMPConfig",

@@ -10,7 +10,7 @@ multiply pass.
 
 Summing the squares across ranks must count every gradient element exactly once. A rank's local
 sum is therefore weighted by ``1 / copies`` per gradient, where ``copies`` is how many ranks of
-the reduction group hold the same elements (:meth:`distamp.topology.Topology.copies`: DDP
+the reduction group hold the same elements (:meth:`distamp.parallel.topology.Topology.copies`: DDP
 replicas, FSDP1 shards, DTensor placements on any mesh, pipeline stages). When no collective runs
 (one rank, or DDP has already made the gradients identical) the local sum is the global one and
 every weight is 1.
@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-from distamp.diagnostics import OverflowRecorder
-from distamp.grad_groups import FP16_GRADS, GradGroup
 from distamp.kernels import unscale_check_sumsq_
-from distamp.step_record import is_fused, reciprocal
-from distamp.topology import grad_device, optimizer_params
+from distamp.observe.diagnostics import OverflowRecorder
+from distamp.parallel.topology import grad_device, optimizer_params
+from distamp.scaler.grad_groups import FP16_GRADS, GradGroup
+from distamp.scaler.records import is_fused, reciprocal
 
 if TYPE_CHECKING:
-    from distamp.scaler import DistributedGradScaler
+    from distamp.scaler.grad_scaler import DistributedGradScaler
 
 __all__ = [
     "clip_scaler_grads_",
@@ -81,7 +81,8 @@ def local_norm_term(
     device) is raised in place on a non-finite gradient. Other norms read gradients that are
     already unscaled (``inv_scale`` is then 1) and return the weighted sum of ``|g|^p``, or the
     max for ``inf``. With a ``recorder``, the same pass raises one flag per gradient for overflow
-    reports. ``copies`` (from :class:`distamp.topology.Topology`) says how many ranks of the
+    reports. ``copies`` (from :class:`distamp.parallel.topology.Topology`) says how many ranks of
+    the
     reduction group hold each parameter's elements; ``None`` when no collective follows (every
     weight 1).
 

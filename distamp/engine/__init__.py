@@ -1,0 +1,13 @@
+"""The training engine: :class:`DistAMP` and what it is made of.
+
+- :mod:`~distamp.engine.core`: :class:`DistAMP` (setup, autocast, backward, step, clip, state);
+- :mod:`~distamp.engine.config`: its settings, checked once;
+- :mod:`~distamp.engine.loop`: the run loop (``train_loop`` / ``fit``) and pipeline glue;
+- :mod:`~distamp.engine.checkpoint`: atomic checkpoints, DCP for sharded state.
+"""
+
+from __future__ import annotations
+
+from distamp.engine.core import AMPConfig, DistAMP, StepResult
+
+__all__ = ["AMPConfig", "DistAMP", "StepResult"]

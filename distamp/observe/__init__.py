@@ -1,0 +1,6 @@
+"""What a run shows: metrics and diagnostics.
+
+- :mod:`~distamp.observe.metrics`: the one metrics window reducer and :class:`StepResult`;
+- :mod:`~distamp.observe.writers`: console, JSONL and TensorBoard writers;
+- :mod:`~distamp.observe.diagnostics`: which parameter or module went non-finite.
+"""

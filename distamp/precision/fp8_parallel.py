@@ -1,0 +1,209 @@
+"""FP8 on parallel layouts: float8 weight scales over the ranks that shard each weight, and
+float8 tensor-parallel styles.
+
+**Weight scales.** With FSDP2's float8 all-gather (tensorwise recipe) every rank casts its shard
+of a weight to float8 *before* the all-gather, so all shards of one weight must use ONE scale:
+``float8_max / amax(whole weight)``. torchao's ``precompute_float8_dynamic_scale_for_fsdp``
+computes them through DTensor ops, which needs every float8 weight on one mesh; on a tensor
+parallel job (FSDP2 over ``dp`` for some layers, over ``(dp, tp)`` for the TP-sharded ones) it
+raises, and on a pipeline job each stage holds its own weights. :class:`WeightScales` computes
+them for any layout in ONE all-reduce: each weight is keyed by the ranks of its mesh and its
+name, every rank contributes its shard's amax at its key's slot (0 elsewhere), and a MAX over
+the agreement group yields, at each slot, the amax over exactly the ranks holding that weight.
+Replicas (HSDP's replicate dimension, a TP-replicated weight) contribute the same value, so the
+result is the whole weight's amax; the arithmetic is torchao's, so scales are bitwise the ones
+its precompute gives where that one works.
+
+**Tensor parallel styles.** :func:`fp8_tp_plan` turns a ``parallelize_module`` plan's
+``ColwiseParallel``/``RowwiseParallel`` into torchao's float8 styles for the layers that run in
+float8 (tensorwise recipe): their input activations are cast to float8 before the sequence
+parallel all-gather (half of bf16's bytes) and their output gradients in the backward.
+
+Convert first (:func:`distamp.precision.fp8.convert_for_fp8`), then ``parallelize_module`` with the
+fp8
+plan, then ``fully_shard``/pipeline stages, then hand the model to ``DistAMP(precision="fp8",
+mesh=...)``, which calls :meth:`WeightScales.update` after every optimizer step.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distamp.parallel.reduction import FlagReducer
+from distamp.parallel.topology import agreement_group
+from distamp.precision.fp8_torchao import require_torchao
+
+__all__ = ["WeightScales", "fp8_tp_plan", "gathers_in_float8", "is_float8_linear"]
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchao ``Float8Linear``, also once ``fully_shard`` swapped its
+    class for a subclass. By class name, so that callers need not import torchao to ask."""
+    return isinstance(module, nn.Linear) and any(
+        cls.__name__ == "Float8Linear" for cls in type(module).__mro__
+    )
+
+
+def gathers_in_float8(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchao ``Float8Linear`` whose weight FSDP2 all-gathers in
+    float8 (a DTensor over torchao's ``WeightWithDynamicFloat8CastTensor``)."""
+    if not is_float8_linear(module):
+        return False
+    weight = getattr(module, "weight", None)
+    local = getattr(weight, "_local_tensor", None)  # a DTensor's shard
+    return type(local).__name__ == "WeightWithDynamicFloat8CastTensor"
+
+
+def _mesh_ranks(weight: Any) -> tuple[int, ...]:
+    return tuple(int(r) for r in weight.device_mesh.mesh.flatten().tolist())
+
+
+class WeightScales:
+    """The float8 weight scales of FSDP2's float8 all-gather, for every layout, in one
+    all-reduce per step (see the module docstring for why and how).
+
+    Args:
+        roots: the modules whose float8 weights to cover (a model, or the pipeline stages this
+            rank holds); their ``named_modules`` names key the weights, so ranks holding the
+            same weight must see it under the same name (as ``fully_shard`` and pipeline
+            stages built from one model keep them).
+        reducer: the ranks that reduce together (a scaler's agreement group; ``None``: the whole
+            job). All of them must build a ``WeightScales`` and call :meth:`update` the same
+            number of times; building one is a collective (the keys are exchanged once).
+    """
+
+    def __init__(self, roots: Iterable[nn.Module], reducer: FlagReducer | None = None) -> None:
+        self.reducer = reducer if reducer is not None else agreement_group(None)
+        self._layers: list[tuple[tuple[tuple[int, ...], str], Any]] = []  # Float8Linear layers
+        seen: set[int] = set()
+        for root in roots:
+            for name, module in root.named_modules():
+                if id(module) not in seen and gathers_in_float8(module):
+                    seen.add(id(module))
+                    self._layers.append(((_mesh_ranks(module.weight), name), module))
+        keys = {key for key, _ in self._layers}
+        for group in self.reducer.groups:  # a mesh's dimensions in turn: the union of all
+            everyone: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, sorted(keys), group=group)
+            keys = set().union(*(set(k) for k in everyone))
+        slot = {key: i for i, key in enumerate(sorted(keys))}
+        self._layers.sort(key=lambda layer: slot[layer[0]])  # so a full set needs no scatter
+        self._slots = [slot[key] for key, _ in self._layers]
+        self.size = len(slot)
+        self.collectives = 0
+        self._float8_max = _float8_max([m for _, m in self._layers])
+        # Shapes never change: which shards are empty (they contribute 0) and where the rest go
+        # is fixed, and so is the index of the scatter (None: a plain stack is already in order).
+        shards = self._shards()
+        self._nonempty = [i for i, s in enumerate(shards) if s.numel()]
+        in_order = self._slots == list(range(self.size))
+        self._index: torch.Tensor | None = None
+        if not (in_order and len(self._nonempty) == self.size):
+            device = shards[0].device if shards else self.reducer.device_for(torch.device("cpu"))
+            self._index = torch.tensor([self._slots[i] for i in self._nonempty], device=device)
+
+    @property
+    def layers(self) -> list[str]:
+        """Names of this rank's layers whose scales are precomputed (in reduction order)."""
+        return [name for (_, name), _ in self._layers]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Set every covered weight's float8 scale from its current amax: one all-reduce (none
+        when no rank of the group gathers in float8). No host sync. Call after each optimizer
+        step, skipped or not, and after loading weights."""
+        if self.size == 0:
+            return
+        from torchao.float8.float8_utils import EPS
+
+        # The high-precision tensor inside torchao's weight wrapper: one plain foreach kernel
+        # instead of a subclass dispatch (the wrapper forwards every op to it anyway).
+        local = self._shards()
+        shards = [getattr(s, "_tensor", s) for s in local]
+        if self._index is None:  # this rank holds every key, in slot order, none empty
+            amax = torch.stack(torch._foreach_norm(shards, ord=float("inf"))).float()
+        else:
+            amax = torch.zeros(self.size, dtype=torch.float32, device=self._index.device)
+            if self._nonempty:
+                norms = torch._foreach_norm([shards[i] for i in self._nonempty], ord=float("inf"))
+                amax.index_copy_(0, self._index, torch.stack(norms).float())
+        if not self.reducer.is_noop:
+            self.reducer.all_reduce_max_(amax)
+            self.collectives += len(self.reducer.groups)
+        # torchao's arithmetic (clamp, then float64 division), so the scales are its own.
+        scales = (self._float8_max / torch.clamp(amax, EPS).double()).float().unbind()
+        for shard, i in zip(local, self._slots, strict=True):
+            shard._precomputed_scale = scales[i]  # read by FSDP2's pre-all-gather cast
+
+    def _shards(self) -> list[Any]:
+        # torchao's WeightWithDynamicFloat8CastTensor inside each weight DTensor
+        return [m.weight._local_tensor for _, m in self._layers]
+
+
+def _float8_max(modules: list[Any]) -> float:
+    dtypes = {m.config.cast_config_weight.target_dtype for m in modules}
+    if len(dtypes) > 1:
+        raise ValueError(f"float8 weights of several float8 dtypes ({dtypes}) in one model")
+    return float(torch.finfo(dtypes.pop() if dtypes else torch.float8_e4m3fn).max)
+
+
+def fp8_tp_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
+    """``plan`` (a ``parallelize_module`` plan) with torchao's float8 styles for the layers of
+    ``model`` that run in float8: ``ColwiseParallel`` -> ``Float8ColwiseParallel``,
+    ``RowwiseParallel`` -> ``Float8RowwiseParallel``, keeping their layouts.
+
+    Only for the tensorwise recipe (torchao's float8 styles assume one scale per tensor);
+    other styles, other layers and rowwise-recipe layers keep the plan's style, under which
+    float8 layers still run (activations gathered in bf16). Call after
+    :func:`distamp.precision.fp8.convert_for_fp8` and before ``parallelize_module``.
+
+    Plan keys may be patterns, as ``parallelize_module`` takes them (``"blocks.*.mlp.w1"``); a
+    pattern gets the float8 style when every module it matches runs in tensorwise float8.
+
+    Raises:
+        ValueError: a plan key matches no module of ``model``.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    require_torchao()
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    swap = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
+    modules = dict(model.named_modules())
+    out: dict[str, Any] = {}
+    for key, style in plan.items():
+        # parallelize_module's matching: fnmatch on each dotted atom ("blocks.*.fc").
+        atoms = key.split(".")
+        matched = [
+            module
+            for name, module in modules.items()
+            if len(parts := name.split(".")) == len(atoms)
+            and all(map(fnmatch.fnmatchcase, parts, atoms))
+        ]
+        if not matched:
+            raise ValueError(f"fp8_tp_plan: {key!r} matches no module of the model")
+        # A float8 style refuses a plain Linear: swap only when every match runs tensorwise fp8.
+        new = swap.get(type(style)) if all(map(_tensorwise_float8, matched)) else None
+        out[key] = (
+            new(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
+            if new is not None
+            else style
+        )
+    return out
+
+
+def _tensorwise_float8(module: nn.Module) -> bool:
+    if not is_float8_linear(module):
+        return False
+    config: Any = module.config
+    return bool(config.cast_config_weight.scaling_granularity.name == "TENSORWISE")
