@@ -530,5 +530,6 @@ def test_fp8_refuses_a_model_parallelised_before_conversion() -> None:
     """float8 layers must be in place before fully_shard/parallelize_module: with mesh= (or a
     model already wrapped) and no float8 layer, the engine refuses fp8 on every rank and names
     the conversion step (tests/test_fp8_nd.py runs the converted N-D layouts)."""
+    _torchao()  # precision="fp8" itself needs torchao: without it the engine refuses earlier
     out = run_ranks(_fp8_on_a_user_mesh, 2, timeout=120)
     assert all("convert_for_fp8" in msg and "strategy='ddp'" in msg for msg in out), out
