@@ -8,8 +8,7 @@ torch's state machine (READY -> UNSCALED -> STEPPED -> update) and changes one t
 decision is taken, every pending found_inf flag of the step is packed into one tensor and
 MAX-reduced over the whole job (:mod:`distamp.parallel.reduction`, over the ranks
 :mod:`distamp.parallel.topology` names). Everything after that (optimizer gating, scale update)
-then runs
-on identical numbers on every rank.
+then runs on identical numbers on every rank.
 
 Beyond torch it adds hysteresis, min/max scale, one-pass clipping whose norm counts every element
 of the job once, skip reporting without host syncs, and a ``state_dict`` that carries all of it.
@@ -17,8 +16,6 @@ of the job once, skip reporting without host syncs, and a ``state_dict`` that ca
 
 from __future__ import annotations
 
-import inspect
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -40,7 +37,7 @@ from distamp.scaler.records import (
 from distamp.scaler.reporting import ScalerReporting
 from distamp.scaler.scale_state import ScaleState, ScaleUnderflowError
 from distamp.scaler.scale_update import ScaleRule, update_scale_
-from distamp.scaler.sync_free import fused_step, masked_step
+from distamp.scaler.sync_free import fused_step, grad_scaler_step, masked_step, takes_grad_scaler
 
 __all__ = ["DistributedGradScaler", "OptimizerStep", "ScaleUnderflowError", "ScalerStateError"]
 
@@ -385,17 +382,10 @@ class DistributedGradScaler(ScalerReporting):
                 "per iteration, after stepping every optimizer."
             )
         fused = is_fused(optimizer)
-        if fused and "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            # torch's older protocol: the optimizer asks the scaler itself (through
-            # _check_inf_per_device / _found_inf_per_device, which agree across ranks here).
-            warnings.warn(
-                f"{type(optimizer).__name__}.step takes the deprecated `grad_scaler` argument: "
-                "the scaler passes itself, as torch's does for now; optimizers should read the "
-                "`grad_scale` and `found_inf` attributes the scaler sets instead.",
-                FutureWarning,
-                stacklevel=2,
-            )
-            retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+        if fused and takes_grad_scaler(optimizer):
+            # The optimizer asks the scaler itself (through _check_inf_per_device /
+            # _found_inf_per_device, which agree across ranks here).
+            retval = grad_scaler_step(optimizer, self, *args, **kwargs)
             record.stage = OptState.STEPPED
             return retval
         if record.stage is OptState.READY:
