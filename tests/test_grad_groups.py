@@ -53,7 +53,7 @@ def test_gradient_of_another_dtype_or_missing_is_grouped_right() -> None:
     scaler.scale(torch.ones(()))  # creates the scale
     p32.grad = torch.full((4,), 8.0)
     p16.grad = torch.full((4,), 8.0, dtype=torch.bfloat16)
-    groups = scaler._plans.for_optimizer(opt).groups()
+    groups = scaler._steps.plans.for_optimizer(opt).groups()
     assert sorted(str(g.dtype) for g in groups) == ["torch.bfloat16", "torch.float32"]
     scaler.unscale_(opt)
     assert torch.equal(p32.grad, torch.full((4,), 2.0))
@@ -88,4 +88,4 @@ def test_fp16_gradient_is_refused_for_unscale_but_allowed_for_fused_check() -> N
     scaler.scale(torch.ones(()))
     with pytest.raises(ValueError, match="FP16 gradients"):
         scaler.unscale_(opt)
-    assert scaler._plans.for_optimizer(opt).groups(allow_fp16=True)[0].dtype == torch.float16
+    assert scaler._steps.plans.for_optimizer(opt).groups(allow_fp16=True)[0].dtype == torch.float16

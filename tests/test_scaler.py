@@ -247,6 +247,24 @@ def test_pickle_between_iterations() -> None:
     assert t.state_dict() == s.state_dict()
 
 
+def test_pickled_copy_and_new_scale_start_clean_iterations() -> None:
+    """Per-step records (torch's ``_per_optimizer_states``) never leak across a pickle or an
+    ``update(new_scale)``, and torch's mid-iteration pickling guard still sees them."""
+    s = DistributedGradScaler("cpu", init_scale=16.0)
+    _run(s, [1.0])
+    t = pickle.loads(pickle.dumps(s))
+    assert len(t._per_optimizer_states) == 0
+    assert _run(t, [INF, 1.0])[0] == [8.0, 8.0]
+    model, opt = _model_and_opt("foreach")
+    t.scale(model(torch.randn(4, 8)).square().mean()).backward()
+    t.unscale_(opt)
+    with pytest.raises(AssertionError, match="pickled"):
+        pickle.dumps(t)
+    t.update(4.0)  # a user-set scale ends the iteration as well
+    assert len(t._per_optimizer_states) == 0 and t.get_scale() == 4.0
+    t.unscale_(opt)  # READY again: no "already been called" error
+
+
 def test_sync_free_masked_step_leaves_state_bitwise_unchanged_on_skip() -> None:
     model, opt = _model_and_opt("foreach")
     s = DistributedGradScaler("cpu", sync_free=True, init_scale=8.0)

@@ -2,7 +2,8 @@
 
 - :mod:`~distamp.scaler.grad_scaler`: :class:`DistributedGradScaler`, torch's state machine
   (READY -> UNSCALED -> STEPPED -> update) with one agreement per step;
-- :mod:`~distamp.scaler.records`: the typed per-optimizer record of a step and its one agreement;
+- :mod:`~distamp.scaler.records`: the typed per-optimizer record of a step and its one agreement
+  (:class:`~distamp.scaler.records.StepAgreement`: topology, gradient plans, records, collectives);
 - :mod:`~distamp.scaler.scale_state` / :mod:`~distamp.scaler.scale_update`: the scale's device
   counters and the update rule (growth, backoff, hysteresis, bounds);
 - :mod:`~distamp.scaler.grad_groups`: cached gradient groups per (device, dtype);

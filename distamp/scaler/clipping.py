@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -29,14 +29,11 @@ from distamp.kernels import unscale_check_sumsq_
 from distamp.observe.diagnostics import OverflowRecorder
 from distamp.parallel.topology import grad_device, optimizer_params
 from distamp.scaler.grad_groups import FP16_GRADS, GradGroup
-from distamp.scaler.records import is_fused, reciprocal
-
-if TYPE_CHECKING:
-    from distamp.scaler.grad_scaler import DistributedGradScaler
+from distamp.scaler.records import StepAgreement, is_fused, reciprocal
 
 __all__ = [
-    "clip_scaler_grads_",
     "check_clip_args",
+    "clip_step_grads_",
     "clip_coefficient",
     "clip_divisor",
     "local_norm_term",
@@ -116,6 +113,8 @@ def local_norm_term(
                 nonempty = [g for g in grads if g.numel()]
                 if not nonempty:
                     continue
+                # torch's foreach norm (what clip_grad_norm_ uses): one launch per group, no
+                # public alias in torch 2.13
                 norms = torch.stack(torch._foreach_norm(nonempty, norm_type)).float()
                 term = norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
             terms.append((term / n if n > 1 and norm_type != math.inf else term).to(home))
@@ -198,17 +197,35 @@ def _reject_fp16_grads(optimizer: torch.optim.Optimizer) -> None:
         raise ValueError(FP16_GRADS)
 
 
-def clip_scaler_grads_(
-    scaler: DistributedGradScaler,
+def clip_step_grads_(
+    steps: StepAgreement,
     optimizer: torch.optim.Optimizer,
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
+    *,
+    scale: torch.Tensor | None,
+    unscale: Callable[[torch.optim.Optimizer], None],
+    recorder: OverflowRecorder | None = None,
 ) -> torch.Tensor:
-    """The body of :meth:`DistributedGradScaler.clip_grad_norm_` (see there): it drives the
-    scaler's per-step record of ``optimizer`` and the step's one collective."""
+    """Clip ``optimizer``'s gradients to total norm ``max_norm`` within the step that ``steps``
+    keeps: the body of :meth:`DistributedGradScaler.clip_grad_norm_` (see there).
+
+    Args:
+        steps: the scaler's per-step records, plans and agreement; the norm term travels in the
+            step's one collective with every pending flag.
+        scale: the scaler's scale tensor, ``None`` when the scaler is disabled (then only the
+            clip runs, and no per-step state is kept).
+        unscale: the scaler's ``unscale_``, for norms other than 2 (they read unscaled
+            gradients).
+        recorder: where the 2-norm pass raises per-gradient overflow flags, when it also checks.
+
+    Returns:
+        The total norm of the unscaled gradients before clipping (0-dim float32, no host sync).
+    """
     max_norm, norm_type = check_clip_args(max_norm, norm_type)
-    record = scaler._record(optimizer)
+    enabled = scale is not None
+    record = steps.record(optimizer)
     if record.stage is OptState.STEPPED:
         raise RuntimeError(
             "clip_grad_norm_() is being called after step(): clip before stepping, then "
@@ -220,15 +237,14 @@ def clip_scaler_grads_(
             "update(): clip once per optimizer step."
         )
     fused = is_fused(optimizer)
-    deferred = scaler._enabled and record.stage is OptState.READY and norm_type == 2.0
-    if scaler._enabled:
-        scale, _ = scaler._check_scale_growth_tracker("clip_grad_norm_")
+    deferred = enabled and record.stage is OptState.READY and norm_type == 2.0
+    if scale is not None:
         home = scale.device
         if record.stage is OptState.READY and not deferred:
-            scaler.unscale_(optimizer)  # p-norms other than 2 read unscaled gradients
+            unscale(optimizer)  # p-norms other than 2 read unscaled gradients
     else:
-        scale, home = None, grad_device(optimizer_params(optimizer))
-    plan = scaler._prepare(optimizer, record)
+        home = grad_device(optimizer_params(optimizer))
+    plan = steps.prepare(optimizer, record)
     found_inf = torch.zeros((), dtype=torch.float32, device=home)
     if deferred:
         assert scale is not None
@@ -239,22 +255,21 @@ def clip_scaler_grads_(
         record.found_inf = None
     else:  # the gradients are unscaled already (or were never scaled)
         inv_scale = torch.ones((), dtype=torch.float32, device=home)
-    pending = scaler._pending()
-    reducer = scaler._reducer_for([*pending, record])
+    reducer = steps.reducer_for([*steps.pending(), record])
     groups = plan.groups(sparse_error=SPARSE_CLIP)
     term = local_norm_term(
         groups,
         norm_type=norm_type,
         inv_scale=inv_scale,
         found_inf=found_inf,
-        copies=None if reducer.is_noop else scaler._topology.copies,
-        recorder=scaler._overflow if deferred else None,  # else unscale_ recorded them
+        copies=None if reducer.is_noop else steps.copies,
+        recorder=recorder if deferred else None,  # else unscale_ recorded them
     )
     op = "max" if norm_type == float("inf") else "sum"
-    norm = total_norm(scaler._reduce_pending(term, op, reducer), norm_type)  # type: ignore[arg-type]
-    if scaler._enabled:  # a skipped step keeps inf as inf (not inf * 0 = nan) for the report
+    norm = total_norm(steps.reduce_pending(term, op, reducer), norm_type)  # type: ignore[arg-type]
+    if scale is not None:  # a skipped step keeps inf as inf (not inf * 0 = nan) for the report
         divisor = clip_divisor(norm, max_norm)
-        if deferred and fused and scale is not None:
+        if deferred and fused:
             record.grad_scale = scale * divisor  # the fused step divides by it
         elif deferred:
             scale_grads_(groups, inv_scale / divisor)
@@ -266,13 +281,13 @@ def clip_scaler_grads_(
         scale_grads_(groups, clip_coefficient(norm, max_norm))
     if deferred:
         record.stage = OptState.UNSCALED
-    record.clipped = scaler._enabled  # a disabled scaler keeps no per-step state
+    record.clipped = enabled  # a disabled scaler keeps no per-step state
     if error_if_nonfinite and not bool(torch.isfinite(norm).item()):  # host sync, opt-in
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite, so it "
             "cannot be clipped. With a loss scaler this step is skipped anyway: pass "
             "error_if_nonfinite=False (the default)."
         )
-    if not scaler._enabled:
-        scaler._per_optimizer_states.pop(id(optimizer), None)
+    if not enabled:
+        steps.discard(optimizer)
     return norm

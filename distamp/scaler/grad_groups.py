@@ -64,6 +64,7 @@ class GradPlan:
         if not self.plain:
             return _slow_groups(owners, allow_fp16, sparse_error)
         out: list[GradGroup] = []
+        # torch's own bucketing for foreach ops (what its GradScaler uses); no public alias
         grouped = torch._C._group_tensors_by_device_and_dtype([present], True)  # type: ignore[list-item]
         for (device, dtype), (tensors, indices) in grouped.items():
             if not allow_fp16 and dtype == torch.float16:
@@ -101,6 +102,7 @@ def _slow_groups(
             if grad.dtype is torch.float16:
                 grad = grad.coalesce()
                 p.grad = grad
+            # torch's values of a sparse tensor, coalesced or not (public values() needs coalesced)
             grad = grad._values()
         group = groups.get((grad.device, grad.dtype))
         if group is None:

@@ -8,8 +8,7 @@ torch's state machine (READY -> UNSCALED -> STEPPED -> update) and changes one t
 decision is taken, every pending found_inf flag of the step is packed into one tensor and
 MAX-reduced over the whole job (:mod:`distamp.parallel.reduction`, over the ranks
 :mod:`distamp.parallel.topology` names). Everything after that (optimizer gating, scale update)
-then runs
-on identical numbers on every rank.
+then runs on identical numbers on every rank.
 
 Beyond torch it adds hysteresis, min/max scale, one-pass clipping whose norm counts every element
 of the job once, skip reporting without host syncs, and a ``state_dict`` that carries all of it.
@@ -17,8 +16,6 @@ of the job once, skip reporting without host syncs, and a ``state_dict`` that ca
 
 from __future__ import annotations
 
-import inspect
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,22 +24,20 @@ from torch.amp.grad_scaler import OptState
 
 from distamp.observe.diagnostics import NonFiniteTracer, OverflowRecorder
 from distamp.parallel import reduction
-from distamp.parallel.topology import Topology
-from distamp.scaler.clipping import clip_scaler_grads_
+from distamp.scaler.clipping import check_clip_args, clip_step_grads_
 from distamp.scaler.config import check_device, check_scaler_args
-from distamp.scaler.grad_groups import GradPlan, GradPlans, check_groups_
+from distamp.scaler.grad_groups import check_groups_
 from distamp.scaler.records import (
     OptimizerStep,
     ScalerStateError,
-    StepRecords,
-    agree_pending,
+    StepAgreement,
     is_fused,
     reciprocal,
 )
 from distamp.scaler.reporting import ScalerReporting
 from distamp.scaler.scale_state import ScaleState, ScaleUnderflowError
 from distamp.scaler.scale_update import ScaleRule, update_scale_
-from distamp.scaler.sync_free import fused_step, masked_step
+from distamp.scaler.sync_free import fused_step, grad_scaler_step, masked_step, takes_grad_scaler
 
 __all__ = ["DistributedGradScaler", "OptimizerStep", "ScaleUnderflowError", "ScalerStateError"]
 
@@ -128,25 +123,41 @@ class DistributedGradScaler(ScalerReporting):
         self._check_only = check_only
         if check_only:
             init_scale = 1.0  # nothing is scaled: the scale only reports 1
+        # Before torch's __init__, which assigns _per_optimizer_states (kept in here).
+        self._steps = StepAgreement(process_group)
         super().__init__(
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
         )
-        self._per_optimizer_states = StepRecords(self)  # type: ignore[assignment]
         self._hysteresis = int(hysteresis)
         self._min_scale = None if min_scale is None else float(min_scale)
         self._max_scale = None if max_scale is None else float(max_scale)
         self._sync_free = sync_free
         self._counters = ScaleState(self._hysteresis)
-        self._topology = Topology(process_group)
-        self._plans = GradPlans()
         self._overflow = OverflowRecorder(lazy_on_cpu=not sync_free) if report_overflow else None
         self._tracer: NonFiniteTracer | None = None
-        self.collectives_issued = 0  # how many found_inf collectives this scaler issued
+
+    @property
+    def _per_optimizer_states(self) -> dict[int, Any]:  # type: ignore[override]
+        """torch's per-optimizer state (its code and drop-in code read it): this iteration's
+        records, kept by the step agreement."""
+        return self._steps.records
+
+    @_per_optimizer_states.setter
+    def _per_optimizer_states(self, value: dict[int, Any]) -> None:
+        # torch's __init__ and update(new_scale) assign an empty dict to start an iteration.
+        self._steps.new_iteration()
+        self._steps.records.update(value)
+
+    @property
+    def collectives_issued(self) -> int:
+        """How many found_inf collectives this scaler issued (clips included)."""
+        return self._steps.collectives_issued
 
     # ------------------------------------------------------------------ lazily created state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._counters.create(dev)
+        self._steps.home = dev  # flags are agreed where the scale lives
 
     def _home_device(self) -> torch.device:
         device = torch.device(self._device)
@@ -229,7 +240,7 @@ class DistributedGradScaler(ScalerReporting):
         """The ranks whose skip decisions agree (from ``process_group``), as a reducer: other
         per-step reductions that must span the same ranks (the engine's fp8 weight scales) use
         it, so that a job never mixes two ideas of "every rank"."""
-        return self._topology.agreement
+        return self._steps.topology.agreement
 
     # ------------------------------------------------------------------ module registration
     def register_module(self, module: Any) -> None:
@@ -244,7 +255,7 @@ class DistributedGradScaler(ScalerReporting):
         parameters need no registration: their DTensor placements say it all. Call it on every
         rank, like the wrappers themselves; the engine does.
         """
-        self._topology.register_module(module)
+        self._steps.topology.register_module(module)
 
     # ------------------------------------------------------------------ unscale / check
     def _unscale_grads_(
@@ -254,19 +265,12 @@ class DistributedGradScaler(ScalerReporting):
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
-        """torch's name for :meth:`_check_plan` over the optimizer's current plan."""
-        plan = self._plans.for_optimizer(optimizer)
-        return self._check_plan(plan, inv_scale, found_inf, allow_fp16)
-
-    def _check_plan(
-        self, plan: GradPlan, inv_scale: torch.Tensor | None, found_inf: torch.Tensor, fp16: bool
-    ) -> dict[torch.device, torch.Tensor]:
-        """Unscale (``inv_scale`` None: only check) the plan's gradients (see check_groups_)."""
+        """torch's hook: unscale (``inv_scale`` None: only check) the optimizer's gradients in
+        one pass per group (see check_groups_); returns the local flags per device."""
+        plan = self._steps.plans.for_optimizer(optimizer)
         with torch.no_grad():
-            return check_groups_(plan.groups(allow_fp16=fp16), found_inf, inv_scale, self._overflow)
-
-    def _record(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
-        return self._per_optimizer_states[id(optimizer)]  # type: ignore[return-value]
+            groups = plan.groups(allow_fp16=allow_fp16)
+            return check_groups_(groups, found_inf, inv_scale, self._overflow)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale, in place, and record a local flag.
@@ -279,7 +283,7 @@ class DistributedGradScaler(ScalerReporting):
         if not self._enabled:
             return
         scale, _ = self._check_scale_growth_tracker("unscale_")
-        record = self._record(optimizer)
+        record = self._steps.record(optimizer)
         if record.stage is OptState.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update() "
@@ -291,25 +295,23 @@ class DistributedGradScaler(ScalerReporting):
                 "unscale_() is being called after step(): unscale before stepping, then call "
                 "update() to start the next iteration."
             )
-        plan = self._prepare(optimizer, record)
-        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        record.local_flags = self._check_plan(
-            plan,
+        self._steps.check_(
+            optimizer,
+            record,
+            scale.device,
             None if self._check_only else reciprocal(scale),  # check-only: read, never write
-            found_inf,
-            False,
+            allow_fp16=False,
+            recorder=self._overflow,
         )
-        record.found_inf = None
         record.stage = OptState.UNSCALED
 
     def _check_inf(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
         """Read-only non-finite check for fused optimizers, which unscale inside their kernel."""
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        record = self._record(optimizer)
-        plan = self._prepare(optimizer, record)
-        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        record.local_flags = self._check_plan(plan, None, found_inf, True)
-        record.found_inf = None
+        record = self._steps.record(optimizer)
+        self._steps.check_(
+            optimizer, record, scale.device, None, allow_fp16=True, recorder=self._overflow
+        )
         return record
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -317,49 +319,7 @@ class DistributedGradScaler(ScalerReporting):
         return self._check_inf(optimizer).found_inf_per_device  # type: ignore[return-value]
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return self._record(optimizer).found_inf_per_device  # type: ignore[return-value]
-
-    def _prepare(self, optimizer: torch.optim.Optimizer, record: OptimizerStep) -> GradPlan:
-        """The optimizer's gradient plan for this step, and whether DDP covers its parameters."""
-        plan = self._plans.for_optimizer(optimizer)
-        record.ddp_covered = self._topology.synchronised_by_ddp(plan.params, plan.key)
-        return plan
-
-    # ------------------------------------------------------------------ the one collective
-    def _records(self) -> list[OptimizerStep]:
-        return list(self._per_optimizer_states.values())  # type: ignore[arg-type]
-
-    def _pending(self) -> list[OptimizerStep]:
-        return [r for r in self._records() if r.pending]
-
-    def _reducer_for(self, records: Iterable[OptimizerStep]) -> reduction.FlagReducer:
-        """The job's agreement group; a no-op when DDP already synchronised every optimizer."""
-        if all(r.ddp_covered for r in records):
-            return reduction.FlagReducer((), None)
-        return self._topology.agreement
-
-    def _reduce_pending(
-        self,
-        extra: torch.Tensor | None = None,
-        extra_op: str = "max",
-        reducer: reduction.FlagReducer | None = None,
-    ) -> torch.Tensor | None:
-        """Agree on every unreduced flag of this step (and ``extra``, a norm term) with ONE
-        collective (:func:`~distamp.scaler.records.agree_pending`); return the reduced ``extra``."""
-        pending = self._pending()
-        if not pending and extra is None:
-            return None
-        if reducer is None:
-            reducer = self._reducer_for(pending)
-        scale = getattr(self, "_scale", None)  # torch does not create it when disabled
-        home = (
-            scale.device
-            if scale is not None
-            else (extra.device if extra is not None else torch.device("cpu"))
-        )
-        if not reducer.is_noop:
-            self.collectives_issued += len(reducer.groups)
-        return agree_pending(pending, reducer, home, extra, extra_op)
+        return self._steps.record(optimizer).found_inf_per_device  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ clipping
     def clip_grad_norm_(
@@ -387,7 +347,18 @@ class DistributedGradScaler(ScalerReporting):
             The total norm of the unscaled gradients before clipping, a 0-dim float32 tensor
             (no host sync; non-finite when a gradient is, and the step is then skipped).
         """
-        return clip_scaler_grads_(self, optimizer, max_norm, norm_type, error_if_nonfinite)
+        max_norm, norm_type = check_clip_args(max_norm, norm_type)
+        scale = self._check_scale_growth_tracker("clip_grad_norm_")[0] if self._enabled else None
+        return clip_step_grads_(
+            self._steps,
+            optimizer,
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+            scale=scale,
+            unscale=self.unscale_,
+            recorder=self._overflow,
+        )
 
     # ------------------------------------------------------------------ step / update
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -404,24 +375,17 @@ class DistributedGradScaler(ScalerReporting):
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         scale, _ = self._check_scale_growth_tracker("step")
-        record = self._record(optimizer)
+        record = self._steps.record(optimizer)
         if record.stage is OptState.STEPPED:
             raise RuntimeError(
                 "step() has already been called since the last update(): call update() once "
                 "per iteration, after stepping every optimizer."
             )
         fused = is_fused(optimizer)
-        if fused and "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            # torch's older protocol: the optimizer asks the scaler itself (through
-            # _check_inf_per_device / _found_inf_per_device, which agree across ranks here).
-            warnings.warn(
-                f"{type(optimizer).__name__}.step takes the deprecated `grad_scaler` argument: "
-                "the scaler passes itself, as torch's does for now; optimizers should read the "
-                "`grad_scale` and `found_inf` attributes the scaler sets instead.",
-                FutureWarning,
-                stacklevel=2,
-            )
-            retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+        if fused and takes_grad_scaler(optimizer):
+            # The optimizer asks the scaler itself (through _check_inf_per_device /
+            # _found_inf_per_device, which agree across ranks here).
+            retval = grad_scaler_step(optimizer, self, *args, **kwargs)
             record.stage = OptState.STEPPED
             return retval
         if record.stage is OptState.READY:
@@ -429,7 +393,7 @@ class DistributedGradScaler(ScalerReporting):
                 self._check_inf(optimizer)
             else:
                 self.unscale_(optimizer)
-        self._reduce_pending()
+        self._steps.reduce_pending()
         found_inf = record.found_inf
         if found_inf is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
@@ -458,20 +422,17 @@ class DistributedGradScaler(ScalerReporting):
         scale, tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
             super().update(new_scale)
-            self._new_iteration()
+            self._steps.new_iteration()
             if self._overflow is not None:
                 self._overflow.discard()
             return
-        self._reduce_pending()
-        flags = [r.found_inf for r in self._records() if r.found_inf is not None]
-        if not flags:
+        self._steps.reduce_pending()
+        found_inf = self._steps.agreed_found_inf(scale.device)
+        if found_inf is None:
             raise ScalerStateError(
                 "update() found no inf checks for this iteration: call scaler.step(optimizer) "
                 "(or unscale_) for at least one optimizer before update()."
             )
-        found_inf = (
-            flags[0] if len(flags) == 1 else torch.stack([f.to(scale.device) for f in flags]).amax()
-        )
         found = found_inf > 0
         counters = self._counters
         assert counters.hysteresis is not None and counters.underflow is not None
@@ -484,12 +445,9 @@ class DistributedGradScaler(ScalerReporting):
             self._overflow.commit(found)
         if self._tracer is not None:
             self._tracer.commit(found)
-        self._new_iteration()
+        self._steps.new_iteration()
         if self._min_scale is not None and not self._sync_free:
             self._counters.raise_if_underflow(self._min_scale)  # one host sync, opt-in
-
-    def _new_iteration(self) -> None:
-        self._per_optimizer_states = StepRecords(self)  # type: ignore[assignment]
 
     def _rule(self) -> ScaleRule:
         return ScaleRule(

@@ -5,23 +5,32 @@ torch's GradScaler keeps a dict per optimizer whose keys appear along the way (`
 first use by :class:`StepRecords` and dropped at ``update()``. :func:`agree_pending` packs the
 local flags of every record still waiting into one tensor, reduces it in one collective
 (:mod:`distamp.parallel.reduction`) and hands every record the same agreed flag.
+
+:class:`StepAgreement` owns all of that bookkeeping for one scaler: the topology (who agrees,
+who holds which elements), the cached gradient plans, this iteration's records and the count of
+collectives. The scaler's state machine and the one-pass clip both drive it through its public
+methods, so neither reaches into the other.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
 
+from distamp.observe.diagnostics import OverflowRecorder
 from distamp.parallel import reduction
+from distamp.parallel.topology import Topology
+from distamp.scaler.grad_groups import GradPlan, GradPlans, check_groups_
 
 __all__ = [
     "OptimizerStep",
     "ScalerStateError",
+    "StepAgreement",
     "StepRecords",
     "agree_pending",
     "is_fused",
@@ -89,18 +98,129 @@ class OptimizerStep:
 
 class StepRecords(dict):  # type: ignore[type-arg]
     """``id(optimizer) -> OptimizerStep``, creating records on first access (as torch's
-    defaultdict) that call their owner's ``_reduce_pending`` for the lazy agreement. The
-    dict holds its owner weakly; each record's bound method is a cycle the collector frees."""
+    defaultdict) that call their owner's :meth:`StepAgreement.reduce_pending` for the lazy
+    agreement. The dict holds its owner weakly; each record's bound method is a cycle the
+    collector frees."""
 
-    def __init__(self, owner: Any) -> None:
+    def __init__(self, owner: StepAgreement) -> None:
         super().__init__()
         self._owner = weakref.ref(owner)
 
     def __missing__(self, key: int) -> OptimizerStep:
         owner = self._owner()
-        record = OptimizerStep(agree=None if owner is None else owner._reduce_pending)
+        record = OptimizerStep(agree=None if owner is None else owner.reduce_pending)
         self[key] = record
         return record
+
+
+class StepAgreement:
+    """One scaler's per-step bookkeeping and its single agreement across ranks.
+
+    Owns the :class:`~distamp.parallel.topology.Topology` (the ranks that agree, the copies of
+    each gradient element, what DDP already synchronised), the cached
+    :class:`~distamp.scaler.grad_groups.GradPlan` of each optimizer, this iteration's
+    :class:`StepRecords`, the device the flags are agreed on (``home``: the scale's device, set
+    by the scaler when it creates the scale) and ``collectives_issued``. The scaler keeps torch's
+    state machine; the one-pass clip (:mod:`distamp.scaler.clipping`) works through the same
+    methods, so both see one set of records and issue one collective per step between them.
+
+    Args:
+        process_group: the ranks that must agree (see :class:`DistributedGradScaler`).
+    """
+
+    def __init__(self, process_group: reduction.GroupSpec = None) -> None:
+        self.topology = Topology(process_group)
+        self.plans = GradPlans()
+        self.records = StepRecords(self)
+        self.home: torch.device | None = None
+        self.collectives_issued = 0  # how many found_inf collectives were issued
+
+    def record(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
+        """The optimizer's record for this iteration (created READY on first use)."""
+        return self.records[id(optimizer)]  # type: ignore[no-any-return]
+
+    def prepare(self, optimizer: torch.optim.Optimizer, record: OptimizerStep) -> GradPlan:
+        """The optimizer's gradient plan for this step; notes in ``record`` whether DDP covers
+        its parameters (then its flag needs no collective)."""
+        plan = self.plans.for_optimizer(optimizer)
+        record.ddp_covered = self.topology.synchronised_by_ddp(plan.params, plan.key)
+        return plan
+
+    def check_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        record: OptimizerStep,
+        home: torch.device,
+        inv_scale: torch.Tensor | None,
+        *,
+        allow_fp16: bool,
+        recorder: OverflowRecorder | None,
+    ) -> None:
+        """Check the optimizer's gradients for inf/NaN and, with ``inv_scale``, unscale them in
+        place, in one pass per group (:func:`~distamp.scaler.grad_groups.check_groups_`); the
+        local flags (``home``'s among them) wait in ``record`` for the step's collective."""
+        plan = self.prepare(optimizer, record)
+        found_inf = torch.zeros((), dtype=torch.float32, device=home)
+        with torch.no_grad():
+            groups = plan.groups(allow_fp16=allow_fp16)
+            record.local_flags = check_groups_(groups, found_inf, inv_scale, recorder)
+        record.found_inf = None
+
+    def pending(self) -> list[OptimizerStep]:
+        """The records whose local flags wait for the collective, in the order of first use."""
+        return [r for r in self.records.values() if r.pending]
+
+    def agreed_found_inf(self, device: torch.device) -> torch.Tensor | None:
+        """The MAX of every record's agreed flag, on ``device``; ``None`` when no record has
+        one (no optimizer was checked this iteration)."""
+        flags = [r.found_inf for r in self.records.values() if r.found_inf is not None]
+        if len(flags) <= 1:
+            return flags[0] if flags else None
+        return torch.stack([f.to(device) for f in flags]).amax()
+
+    def copies(self, param: torch.Tensor) -> int:
+        """How many ranks of the agreement group hold ``param``'s elements (for norm weights)."""
+        return self.topology.copies(param)
+
+    def reducer_for(self, records: Iterable[OptimizerStep]) -> reduction.FlagReducer:
+        """The job's agreement group; a no-op when DDP already synchronised every optimizer."""
+        if all(r.ddp_covered for r in records):
+            return reduction.FlagReducer((), None)
+        return self.topology.agreement
+
+    def reduce_pending(
+        self,
+        extra: torch.Tensor | None = None,
+        extra_op: str = "max",
+        reducer: reduction.FlagReducer | None = None,
+    ) -> torch.Tensor | None:
+        """Agree on every unreduced flag of this step (and ``extra``, a norm term) with ONE
+        collective (:func:`agree_pending`) over ``reducer`` (default: :meth:`reducer_for` the
+        pending records); return the reduced ``extra``. No host sync."""
+        pending = self.pending()
+        if not pending and extra is None:
+            return None
+        if reducer is None:
+            reducer = self.reducer_for(pending)
+        home = self.home
+        if home is None:  # no scale yet (a disabled scaler never creates one)
+            home = extra.device if extra is not None else torch.device("cpu")
+        if not reducer.is_noop:
+            self.collectives_issued += len(reducer.groups)
+        return agree_pending(pending, reducer, home, extra, extra_op)
+
+    def discard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Forget the optimizer's record (a disabled scaler keeps no per-step state)."""
+        self.records.pop(id(optimizer), None)
+
+    def new_iteration(self) -> None:
+        """Drop every record: the next use of an optimizer starts READY."""
+        self.records = StepRecords(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Process groups, module hooks and cached plans do not survive pickling: a copy agrees
+        # over the default group, re-resolved lazily, and keeps only its collective count.
+        return (StepAgreement, (), {"collectives_issued": self.collectives_issued})
 
 
 def agree_pending(

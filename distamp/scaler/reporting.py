@@ -17,10 +17,8 @@ from distamp.observe.diagnostics import (
     OverflowReport,
     build_report,
 )
-from distamp.parallel.topology import Topology
 from distamp.scaler.config import validate_state_dict
-from distamp.scaler.grad_groups import GradPlans
-from distamp.scaler.records import StepRecords
+from distamp.scaler.records import StepAgreement
 from distamp.scaler.scale_state import ScaleState
 
 __all__ = ["ScalerReporting"]
@@ -36,8 +34,7 @@ class ScalerReporting(torch.amp.GradScaler):
     _min_scale: float | None
     _max_scale: float | None
     _counters: ScaleState
-    _topology: Topology
-    _plans: GradPlans
+    _steps: StepAgreement
     _overflow: OverflowRecorder | None
     _tracer: NonFiniteTracer | None
 
@@ -94,10 +91,11 @@ class ScalerReporting(torch.amp.GradScaler):
         """
         if not self._enabled or self._overflow is None:
             return None
-        group = self._topology.process_group
+        topology = self._steps.topology
+        group = topology.process_group
         return build_report(
             self._overflow,
-            self._topology.param_names,
+            topology.param_names,
             self._overflow.params(),
             group if _is_process_group(group) else None,
             self._tracer,
@@ -137,20 +135,13 @@ class ScalerReporting(torch.amp.GradScaler):
         state = super().__getstate__()
         if self._enabled:
             state["_counters"] = self._counters.detached()
-        # Process groups and module hooks do not survive pickling; they are re-resolved lazily.
-        state["_topology"] = Topology()
-        state["_plans"] = None
-        state["_per_optimizer_states"] = None
+        # Process groups and module hooks do not survive pickling (the step agreement drops
+        # them, see StepAgreement.__reduce__); they are re-resolved lazily.
         state["_overflow"] = (
             None if self._overflow is None else OverflowRecorder(lazy_on_cpu=not self._sync_free)
         )
         state["_tracer"] = None
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._per_optimizer_states = StepRecords(self)  # type: ignore[assignment]
-        self._plans = GradPlans()
 
 
 def _is_process_group(group: Any) -> bool:

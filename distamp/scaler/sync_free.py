@@ -1,19 +1,22 @@
 """Gating an optimizer's step on the agreed on-device flag, without a host sync.
 
 Fused optimizers take ``grad_scale`` and ``found_inf`` as attributes and skip inside their kernel
-(:func:`fused_step`). Every other optimizer is a Python loop whose ``step()`` cannot be skipped
-without reading the flag on the host, so the step is made *undoable* instead
+(:func:`fused_step`); those still written for torch's older protocol take the scaler itself
+(:func:`grad_scaler_step`). Every other optimizer is a Python loop whose ``step()`` cannot be
+skipped without reading the flag on the host, so the step is made *undoable* instead
 (:func:`masked_step`).
 """
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["fused_step", "masked_step"]
+__all__ = ["fused_step", "grad_scaler_step", "masked_step", "takes_grad_scaler"]
 
 
 def _params_with_grad(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -79,3 +82,24 @@ def fused_step(
     finally:
         del optimizer.grad_scale  # type: ignore[attr-defined]
         del optimizer.found_inf  # type: ignore[attr-defined]
+
+
+def takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` takes torch's deprecated ``grad_scaler`` argument."""
+    return "grad_scaler" in inspect.signature(optimizer.step).parameters
+
+
+def grad_scaler_step(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, *args: Any, **kwargs: Any
+) -> Any:
+    """Step an optimizer of torch's older protocol: it receives ``scaler`` as ``grad_scaler``
+    and asks it for the scale and the flags itself. Warns (``FutureWarning``, at the caller of
+    ``scaler.step``) that the protocol is deprecated, as torch does."""
+    warnings.warn(
+        f"{type(optimizer).__name__}.step takes the deprecated `grad_scaler` argument: "
+        "the scaler passes itself, as torch's does for now; optimizers should read the "
+        "`grad_scale` and `found_inf` attributes the scaler sets instead.",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return optimizer.step(*args, **{**kwargs, "grad_scaler": scaler})
