@@ -372,7 +372,7 @@ def install_compile_guard(model: nn.Module, message: str) -> list[Any]:
     """Make ``torch.compile`` of ``model`` raise ``RuntimeError(message)`` at its first call.
 
     A forward pre-hook on ``model`` checks ``torch.compiler.is_compiling()``: while Dynamo
-    traces the hook that is True, and the call to a ``torch._dynamo.disable``-d function runs
+    traces the hook that is True, and the call to a ``torch.compiler.disable``-d function runs
     eagerly, so the error reaches the caller instead of being traced into a graph. Eager calls
     cost one Python check.
 
@@ -380,7 +380,7 @@ def install_compile_guard(model: nn.Module, message: str) -> list[Any]:
         The hook handles.
     """
 
-    @torch._dynamo.disable  # type: ignore[misc]
+    @torch.compiler.disable
     def refuse() -> None:
         raise RuntimeError(message)
 
