@@ -2,7 +2,9 @@
 
 - :mod:`~distamp.engine.core`: :class:`DistAMP` (setup, autocast, backward, step, clip, state);
 - :mod:`~distamp.engine.config`: its settings, checked once;
-- :mod:`~distamp.engine.loop`: the run loop (``train_loop`` / ``fit``) and pipeline glue;
+- :mod:`~distamp.engine.loop`: the run loop (``fit``) and pipeline glue, a base of
+  :class:`DistAMP` written against the engine's public face (:class:`~distamp.engine.loop.Engine`);
+- :mod:`~distamp.engine.accounting`: the accumulation cycle's call order and the skip reports;
 - :mod:`~distamp.engine.checkpoint`: atomic checkpoints, DCP for sharded state.
 """
 

@@ -5,14 +5,14 @@ optimizer exists (FSDP), scale before backward, divide by the accumulation count
 sync on all but the last micro-batch, unscale once before clipping, clip with the wrapper's own
 method, step and update the scaler, and step the LR scheduler only when the optimizer really
 stepped. Wrapping lives in :mod:`distamp.parallel.strategies`, saving in
-:mod:`distamp.engine.checkpoint`,
-counters in :mod:`distamp.observe.metrics`.
+:mod:`distamp.engine.checkpoint`, counters in :mod:`distamp.observe.metrics`, the accumulation
+cycle and skip reports in :mod:`distamp.engine.accounting`, the run loop (:meth:`DistAMP.fit`)
+and the pipeline-schedule entry points in :mod:`distamp.engine.loop`.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +28,7 @@ from distamp.cluster import (
     named_collective,
     shutdown_distributed,
 )
+from distamp.engine.accounting import MicroBatchCycle, SkipReports
 from distamp.engine.checkpoint import load_checkpoint, save_checkpoint
 from distamp.engine.config import (
     AMPConfig,
@@ -38,9 +39,9 @@ from distamp.engine.config import (
     parse_device,
     training_device,
 )
-from distamp.engine.loop import pipeline_loss_fn, pipeline_stages, run_pipeline_step, train_loop
-from distamp.observe.diagnostics import NonFiniteTracer, ScaleHealth
-from distamp.observe.metrics import Metrics, StepResult, WindowStats
+from distamp.engine.loop import RunLoop, pipeline_stages
+from distamp.observe.diagnostics import NonFiniteTracer
+from distamp.observe.metrics import Metrics, StepResult
 from distamp.parallel.strategies import (
     SHARDED,
     apply_strategy,
@@ -64,7 +65,7 @@ from distamp.scaler import DistributedGradScaler
 __all__ = ["AMPConfig", "DistAMP", "StepResult"]
 
 
-class DistAMP:
+class DistAMP(RunLoop):
     """Mixed-precision training engine.
 
     Args:
@@ -115,12 +116,11 @@ class DistAMP:
     fp8: Float8Training | None  # torchao float8 layers and their FSDP2 weight scales
     comm_hook_state: Any  # the DDP comm hook's state, when one is registered
     step_count: int  # optimizer steps completed (skipped ones included)
+    cycle: MicroBatchCycle  # backward() calls since the last step(), and their call order
+    skips: SkipReports  # skipped steps reported at logging steps; the scale-health warning
     _model: nn.Module | None  # the wrapped model (None before setup and after close)
     _optimizer: torch.optim.Optimizer | None
-    _micro: int  # backward() calls since the last step()
     _owns_group: bool  # setup() created the process group, so close() destroys it
-    _health: ScaleHealth  # warns when the scale keeps dropping or sits at its floor
-    _skips_seen: int  # skipped steps already reported by the overflow diagnosis
 
     def __init__(
         self,
@@ -163,10 +163,10 @@ class DistAMP:
         self.metrics = Metrics(self.device)
         self.trace_nonfinite = bool(trace_nonfinite)
         self.tracer, self.fp8, self.comm_hook_state = None, None, None
-        self.step_count, self._micro = 0, 0
+        self.step_count, self.cycle = 0, MicroBatchCycle(self.config.grad_accum_steps)
         self._model, self._optimizer = None, None
         self._owns_group = False
-        self._health, self._skips_seen = ScaleHealth(), 0
+        self.skips = SkipReports()
 
     @property
     def precision(self) -> Precision:
@@ -261,7 +261,7 @@ class DistAMP:
             self.fp8.after_wrap(
                 wrapped, strategy=self.strategy, device=self.device, reducer=self.scaler.agreement
             )
-        self._health = ScaleHealth(min_scale=self.scaler.min_scale)  # its "at floor" warning
+        self.skips.arm(self.scaler.min_scale)  # its "at floor" warning
         # Names for reports; DDP: no extra collective; FSDP1: which parameters are shards;
         # a pipeline stage: how many ranks run the same stage.
         for part in stages or [wrapped]:
@@ -293,7 +293,7 @@ class DistAMP:
     @property
     def is_last_micro_step(self) -> bool:
         """Whether the next ``backward`` completes an accumulation cycle (then ``step`` is due)."""
-        return self._micro + 1 >= self.config.grad_accum_steps
+        return self.cycle.is_last
 
     def accumulate(self) -> AbstractContextManager[None]:
         """Wrap forward and backward of one micro-batch: all but the last micro-batch of a cycle
@@ -309,19 +309,15 @@ class DistAMP:
             loss: this micro-batch's mean loss, as computed (unscaled, undivided).
             tokens: tokens in the micro-batch, for the throughput figure.
         """
-        n = self.config.grad_accum_steps
-        if self._micro >= n:
-            raise RuntimeError(
-                f"backward() called {self._micro + 1} times since the last step() with "
-                f"grad_accum_steps={n}: call step() after every {n} backward() calls"
-            )
+        self.cycle.check_backward()
         self.metrics.record(loss, tokens)
         if self.tracer is not None:
             self.tracer.record_loss(loss)
+        n = self.config.grad_accum_steps
         scaled = loss / n if n > 1 else loss
         with named_collective("backward (the wrapper's gradient all-reduce)", self.config.timeout):
             self.scaler.scale(scaled).backward()
-        self._micro += 1
+        self.cycle.backward_done()
 
     def step(self) -> StepResult:
         """Unscale, clip, step the optimizer (unless gradients are non-finite on any rank), update
@@ -331,12 +327,8 @@ class DistAMP:
         plus one to read the skip decision when a scheduler is attached (a Python scheduler cannot
         be stepped conditionally on device).
         """
-        opt, scaler, n = self.optimizer, self.scaler, self.config.grad_accum_steps
-        if self._micro != n:
-            raise RuntimeError(
-                f"step() after {self._micro} of grad_accum_steps={n} backward() calls: call "
-                "backward() once per micro-batch, then step() once per cycle"
-            )
+        opt, scaler = self.optimizer, self.scaler
+        self.cycle.check_step()
         norm = None
         with named_collective("step (overflow flag and norm agreement)", self.config.timeout):
             # 1. clip: unscale + overflow check + norm in one pass and the step's one
@@ -356,7 +348,7 @@ class DistAMP:
         # 6. next cycle: gradients released, metrics counted
         opt.zero_grad(set_to_none=True)
         self.metrics.end_step(norm, scaler)
-        self._micro = 0
+        self.cycle.reset()
         self.step_count += 1
         return result
 
@@ -367,23 +359,7 @@ class DistAMP:
             The :class:`StepResult`, or ``None`` after a micro-batch that did not step.
         """
         self.backward(loss, tokens=tokens)
-        return self.step() if self._micro == self.config.grad_accum_steps else None
-
-    # ------------------------------------------------------------------ pipeline parallelism
-    def scaled_loss_fn(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """The ``loss_fn`` to build a ``torch.distributed.pipelining`` schedule with.
-
-        Each micro-batch loss (on the last stage) is recorded for the metrics, unscaled, then
-        scaled, so the schedule's backward yields scaled gradients on every stage; the schedule
-        keeps its own micro-batch averaging. Call on every rank (stages without a loss step too).
-        """
-        return pipeline_loss_fn(self, loss_fn)
-
-    def pipeline_step(self, schedule: Any, *args: Any, **kwargs: Any) -> StepResult:
-        """One pipeline-schedule iteration (every micro-batch's forward and backward, under this
-        engine's autocast), then :meth:`step`: the whole model's norm, one skip decision for all
-        stages. ``args``/``kwargs`` go to ``schedule.step`` (inputs first, ``target=`` last)."""
-        return run_pipeline_step(self, schedule, *args, **kwargs)
+        return self.step() if self.cycle.complete else None
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -394,10 +370,9 @@ class DistAMP:
     def save_state(self, directory: str | Path, *, keep: int = 2) -> Path:
         """Save model, optimizer, scheduler, scaler, step counter and RNG streams atomically
         (see :mod:`distamp.engine.checkpoint`). Collective: call on every rank."""
-        if self._micro:
-            raise RuntimeError(
-                "save_state() in the middle of an accumulation cycle: call it after step()"
-            )
+        self.cycle.require_idle(
+            "save_state() in the middle of an accumulation cycle: call it after step()"
+        )
         # A peer that stalls mid-save fails this rank with the save named, not a bare "recv".
         with named_collective("save_state (checkpoint write)", self.config.timeout):
             return save_checkpoint(
@@ -428,7 +403,7 @@ class DistAMP:
         self.step_count = int(state["step"])
         if state["scaler"]:  # {} when it was saved disabled (bf16/fp32)
             self.scaler.load_state_dict(state["scaler"])
-            self._skips_seen = self.scaler.skipped_steps  # restored skips are not new ones
+            self.skips.restored(self.scaler.skipped_steps)  # restored skips are not new ones
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         return True
@@ -458,53 +433,3 @@ class DistAMP:
         else:
             gc.collect()
         self._owns_group = False
-
-    # ------------------------------------------------------------------ the loop
-    def fit(
-        self,
-        batch: Callable[[int], Any],
-        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-        *,
-        steps: int,
-        tokens_per_batch: int = 0,
-        log_interval: int = 10,
-        on_log: Callable[[WindowStats], None] | None = None,
-        on_step: Callable[[int], None] | None = None,
-        stop_requested: Callable[[], bool] | None = None,
-        checkpoint_dir: str | Path | None = None,
-        checkpoint_interval: int = 0,
-    ) -> WindowStats | None:
-        """Train from :attr:`step_count` up to ``steps`` optimizer steps.
-
-        Args:
-            batch: ``batch(k)`` returns this rank's micro-batch number ``k`` (counted over the
-                whole run). An index rather than an iterator makes a resumed run draw exactly the
-                batches an uninterrupted one would, with no loader state to save.
-            loss_fn: ``loss_fn(model, batch)`` returns the mean loss; it runs under autocast.
-            steps: the optimizer step to stop at.
-            tokens_per_batch: tokens in one micro-batch, for the throughput figure.
-            log_interval: collect metrics (one collective, a few host syncs) every this many
-                steps and at the end.
-            on_log: called on every rank with each collected window.
-            on_step: called after every step with the step count (e.g. a progress bar).
-            stop_requested: polled at each logging step (e.g. a signal flag); if it is true on
-                any rank, every rank stops there, saves (with ``checkpoint_dir``) and returns.
-            checkpoint_dir: where to save every ``checkpoint_interval`` steps and at the end.
-            checkpoint_interval: steps between saves; 0: only at the end.
-
-        Returns:
-            The last collected window (``None`` if there was nothing to do).
-        """
-        return train_loop(
-            self,
-            batch,
-            loss_fn,
-            steps=steps,
-            tokens_per_batch=tokens_per_batch,
-            log_interval=log_interval,
-            on_log=on_log,
-            on_step=on_step,
-            stop_requested=stop_requested,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_interval=checkpoint_interval,
-        )

@@ -1,122 +1,168 @@
-"""The engine's training loop (:meth:`DistAMP.fit`) and its logging-step diagnosis.
+"""The engine's training loop (:meth:`DistAMP.fit`) and pipeline-schedule glue.
 
-Kept apart from :mod:`distamp.engine`, which owns the order of one step; this module owns the
-order of a run: micro-batches, steps, logging windows, stop requests and periodic saves.
+Kept apart from :mod:`distamp.engine.core`, which owns the order of one step; this module owns
+the order of a run: micro-batches, steps, logging windows, stop requests and periodic saves.
+It sees the engine through :class:`Engine` only, so it does not import the engine back.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
-from dataclasses import replace
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from distamp.cluster import is_distributed, named_collective
-from distamp.observe.metrics import StepResult, WindowStats
+from distamp.cluster import named_collective
+from distamp.engine.accounting import MicroBatchCycle, SkipReports
+from distamp.engine.config import AMPConfig
+from distamp.observe.metrics import Metrics, StepResult, WindowStats
 from distamp.parallel.topology import is_pipeline_stage
+from distamp.precision.fp8 import Float8Training
+from distamp.scaler import DistributedGradScaler
 
-if TYPE_CHECKING:
-    from distamp.engine.core import DistAMP
-
-__all__ = ["diagnose", "pipeline_loss_fn", "pipeline_stages", "run_pipeline_step", "train_loop"]
-
-
-def train_loop(
-    amp: DistAMP,
-    batch: Callable[[int], Any],
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    *,
-    steps: int,
-    tokens_per_batch: int = 0,
-    log_interval: int = 10,
-    on_log: Callable[[WindowStats], None] | None = None,
-    on_step: Callable[[int], None] | None = None,
-    stop_requested: Callable[[], bool] | None = None,
-    checkpoint_dir: str | Path | None = None,
-    checkpoint_interval: int = 0,
-) -> WindowStats | None:
-    """:meth:`DistAMP.fit` (see there for the arguments)."""
-    n, stats, model = amp.config.grad_accum_steps, None, amp.model
-    cfg_timeout = amp.config.timeout
-    saved_at = amp.step_count  # a resumed run that has nothing left to do saves nothing
-    while amp.step_count < steps:
-        for micro in range(n):
-            with amp.accumulate():
-                with amp.autocast():
-                    loss = loss_fn(model, batch(amp.step_count * n + micro))
-                amp.backward(loss, tokens=tokens_per_batch)
-        amp.step()
-        done = amp.step_count
-        if on_step is not None:
-            on_step(done)
-        if done % log_interval == 0 or done == steps:
-            stop = bool(stop_requested()) if stop_requested is not None else False
-            with named_collective("metrics collection at a logging step", cfg_timeout):
-                stats = diagnose(amp, amp.metrics.collect(step=done, scaler=amp.scaler, stop=stop))
-            if on_log is not None:
-                on_log(stats)
-            if stats.stop:
-                break
-        if checkpoint_dir is not None and checkpoint_interval and done % checkpoint_interval == 0:
-            amp.save_state(checkpoint_dir)
-            saved_at = done
-    if checkpoint_dir is not None and saved_at != amp.step_count:
-        amp.save_state(checkpoint_dir)
-    return stats
+__all__ = ["Engine", "RunLoop", "pipeline_stages"]
 
 
-def diagnose(amp: DistAMP, stats: WindowStats) -> WindowStats:
-    """At a logging step whose window skipped: the overflow report (collective; every rank
-    takes this branch, the stats being identical) and, on rank 0, the scale-health warning."""
-    if stats.skipped_steps == amp._skips_seen or not amp.scaler.is_enabled():
-        amp._health.check(skipped_in_a_row=0, scale=stats.loss_scale, report=None)
+class Engine(Protocol):
+    """What the loop asks of the engine (:class:`~distamp.DistAMP` is one): its public face
+    only, so that this module need not import the engine that calls it."""
+
+    config: AMPConfig
+    step_count: int
+    cycle: MicroBatchCycle
+    skips: SkipReports
+    metrics: Metrics
+    scaler: DistributedGradScaler
+    fp8: Float8Training | None
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    def accumulate(self) -> AbstractContextManager[None]: ...
+
+    def autocast(self) -> AbstractContextManager[Any]: ...
+
+    def backward(self, loss: torch.Tensor, *, tokens: int = 0) -> None: ...
+
+    def step(self) -> StepResult: ...
+
+    def save_state(self, directory: str | Path, *, keep: int = 2) -> Path: ...
+
+
+class RunLoop:
+    """The run-level entry points of :class:`~distamp.DistAMP`: :meth:`fit` (micro-batches,
+    steps, logging windows, stop requests, periodic saves) and the pipeline-schedule glue.
+
+    A base of the engine, written against the :class:`Engine` protocol only: the loop drives
+    the step-level methods and never reaches into how they count or decide.
+    """
+
+    def fit(
+        self: Engine,
+        batch: Callable[[int], Any],
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+        *,
+        steps: int,
+        tokens_per_batch: int = 0,
+        log_interval: int = 10,
+        on_log: Callable[[WindowStats], None] | None = None,
+        on_step: Callable[[int], None] | None = None,
+        stop_requested: Callable[[], bool] | None = None,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_interval: int = 0,
+    ) -> WindowStats | None:
+        """Train from :attr:`step_count` up to ``steps`` optimizer steps.
+
+        Args:
+            batch: ``batch(k)`` returns this rank's micro-batch number ``k`` (counted over the
+                whole run). An index rather than an iterator makes a resumed run draw exactly the
+                batches an uninterrupted one would, with no loader state to save.
+            loss_fn: ``loss_fn(model, batch)`` returns the mean loss; it runs under autocast.
+            steps: the optimizer step to stop at.
+            tokens_per_batch: tokens in one micro-batch, for the throughput figure.
+            log_interval: collect metrics (one collective, a few host syncs) every this many
+                steps and at the end.
+            on_log: called on every rank with each collected window.
+            on_step: called after every step with the step count (e.g. a progress bar).
+            stop_requested: polled at each logging step (e.g. a signal flag); if it is true on
+                any rank, every rank stops there, saves (with ``checkpoint_dir``) and returns.
+            checkpoint_dir: where to save every ``checkpoint_interval`` steps and at the end.
+            checkpoint_interval: steps between saves; 0: only at the end.
+
+        Returns:
+            The last collected window (``None`` if there was nothing to do).
+        """
+        n, stats, model = self.config.grad_accum_steps, None, self.model
+        cfg_timeout = self.config.timeout
+        saved_at = self.step_count  # a resumed run that has nothing left to do saves nothing
+        while self.step_count < steps:
+            for micro in range(n):
+                with self.accumulate():
+                    with self.autocast():
+                        loss = loss_fn(model, batch(self.step_count * n + micro))
+                    self.backward(loss, tokens=tokens_per_batch)
+            self.step()
+            done = self.step_count
+            if on_step is not None:
+                on_step(done)
+            if done % log_interval == 0 or done == steps:
+                stop = bool(stop_requested()) if stop_requested is not None else False
+                with named_collective("metrics collection at a logging step", cfg_timeout):
+                    stats = self.metrics.collect(step=done, scaler=self.scaler, stop=stop)
+                    stats = self.skips.diagnose(stats, self.scaler, self.fp8)
+                if on_log is not None:
+                    on_log(stats)
+                if stats.stop:
+                    break
+            if (
+                checkpoint_dir is not None
+                and checkpoint_interval
+                and done % checkpoint_interval == 0
+            ):
+                self.save_state(checkpoint_dir)
+                saved_at = done
+        if checkpoint_dir is not None and saved_at != self.step_count:
+            self.save_state(checkpoint_dir)
         return stats
-    amp._skips_seen = stats.skipped_steps
-    report = amp.scaler.overflow_report()
-    if amp.fp8 is not None:  # names the fp8 layers among the report's
-        report = amp.fp8.annotate(report)
-    streak = amp.scaler.skip_streak
-    text = amp._health.check(skipped_in_a_row=streak, scale=stats.loss_scale, report=report)
-    if text is not None and (not is_distributed() or dist.get_rank() == 0):
-        warnings.warn(text, RuntimeWarning, stacklevel=4)
-    return replace(stats, overflow=None if report is None else report.one_line())
 
+    def scaled_loss_fn(
+        self: Engine, loss_fn: Callable[..., torch.Tensor]
+    ) -> Callable[..., torch.Tensor]:
+        """The ``loss_fn`` to build a ``torch.distributed.pipelining`` schedule with.
 
-def pipeline_loss_fn(
-    amp: DistAMP, loss_fn: Callable[..., torch.Tensor]
-) -> Callable[..., torch.Tensor]:
-    """:meth:`DistAMP.scaled_loss_fn`: records each micro-batch loss, then scales it."""
-    if amp.config.grad_accum_steps != 1:
-        raise ValueError(
-            f"grad_accum_steps={amp.config.grad_accum_steps}: under a pipeline schedule the "
-            "schedule's micro-batches are the accumulation; use grad_accum_steps=1 and "
-            "n_microbatches in the schedule"
-        )
+        Each micro-batch loss (on the last stage) is recorded for the metrics, unscaled, then
+        scaled, so the schedule's backward yields scaled gradients on every stage; the schedule
+        keeps its own micro-batch averaging. Call on every rank (stages without a loss step too).
+        """
+        if self.config.grad_accum_steps != 1:
+            raise ValueError(
+                f"grad_accum_steps={self.config.grad_accum_steps}: under a pipeline schedule the "
+                "schedule's micro-batches are the accumulation; use grad_accum_steps=1 and "
+                "n_microbatches in the schedule"
+            )
 
-    def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
-        loss = loss_fn(*args, **kwargs)
-        amp.metrics.record(loss)
-        return loss
+        def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
+            loss = loss_fn(*args, **kwargs)
+            self.metrics.record(loss)
+            return loss
 
-    return amp.scaler.scaled_loss_fn(recorded)
+        return self.scaler.scaled_loss_fn(recorded)
 
-
-def run_pipeline_step(amp: DistAMP, schedule: Any, *args: Any, **kwargs: Any) -> StepResult:
-    """:meth:`DistAMP.pipeline_step`: the schedule's iteration under autocast, then the step."""
-    if amp._micro:
-        raise RuntimeError(
+    def pipeline_step(self: Engine, schedule: Any, *args: Any, **kwargs: Any) -> StepResult:
+        """One pipeline-schedule iteration (every micro-batch's forward and backward, under this
+        engine's autocast), then :meth:`step`: the whole model's norm, one skip decision for all
+        stages. ``args``/``kwargs`` go to ``schedule.step`` (inputs first, ``target=`` last)."""
+        self.cycle.require_idle(
             "pipeline_step() after backward(): a pipeline schedule runs its own backward"
         )
-    timeout = amp.config.timeout
-    with amp.autocast(), named_collective("pipeline schedule (stage send/recv)", timeout):
-        schedule.step(*args, **kwargs)
-    amp._micro = amp.config.grad_accum_steps
-    return amp.step()
+        timeout = self.config.timeout
+        with self.autocast(), named_collective("pipeline schedule (stage send/recv)", timeout):
+            schedule.step(*args, **kwargs)
+        self.cycle.fill()
+        return self.step()
 
 
 def pipeline_stages(model: Any) -> tuple[list[Any], nn.Module]:

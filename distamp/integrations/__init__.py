@@ -9,7 +9,9 @@ Each submodule imports its framework when it is itself imported, never from here
   re-exports the Trainer plugins (``DistAMPTrainerPrecision`` of
   :mod:`distamp.integrations.lightning_trainer`, ``DistAMPFSDPPrecision`` of
   :mod:`distamp.integrations.lightning_fsdp`) and the scheduler gate of
-  :mod:`distamp.integrations.lightning_scheduler` (``SkipAwareScheduler``).
+  :mod:`distamp.integrations.lightning_scheduler` (``SkipAwareScheduler``). The Fabric module
+  and the Trainer plugins' modules take the Lightning version check from
+  :mod:`distamp.integrations.lightning_version`, so the re-exporting module is imported by none.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -62,7 +62,12 @@ class DistAMPOptimizer(AcceleratedOptimizer):
     """
 
     _distamp_skipped: torch.Tensor | None = None
-    _distamp_accelerator: DistAMPAccelerator | None = None
+    _distamp_after_step: Callable[[Any], None] | None = None
+
+    def call_after_step(self, callback: Callable[[Any], None] | None) -> None:
+        """Have ``callback(scaler)`` called after each real optimizer step (not after an
+        accumulation micro-step); the accelerator counts its metrics window with it."""
+        self._distamp_after_step = callback
 
     def step(self, closure: Any = None) -> None:
         super().step(closure)
@@ -71,9 +76,8 @@ class DistAMPOptimizer(AcceleratedOptimizer):
             return  # an accumulation micro-step: Accelerate did not step
         if isinstance(scaler, DistributedGradScaler) and scaler.is_enabled():
             self._distamp_skipped = scaler.last_step_skipped
-        owner = self._distamp_accelerator
-        if owner is not None:
-            owner._after_step(scaler)
+        if self._distamp_after_step is not None:
+            self._distamp_after_step(scaler)
 
     @property
     def step_was_skipped(self) -> bool:
@@ -186,7 +190,7 @@ class DistAMPAccelerator(Accelerator):
             # Re-classing, not re-wrapping: Accelerate keeps this very object in its list of
             # optimizers (for save/load and schedulers), and the subclass adds no state.
             wrapped.__class__ = DistAMPOptimizer
-            wrapped._distamp_accelerator = self
+            wrapped.call_after_step(self._after_step)
         return wrapped
 
     # ------------------------------------------------------------------ the step

@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from distamp.integrations import check_version
+from distamp.integrations import lightning_version
 
-SUPPORTED = ("2.6.0", "2.7")
+SUPPORTED = lightning_version.SUPPORTED
 """Lightning versions this adapter was tested with: ``>= SUPPORTED[0], < SUPPORTED[1]``."""
 
-LIGHTNING_VERSION = check_version("lightning", *SUPPORTED, extra="lightning")
+LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked the version
 
 from lightning.fabric.plugins.environments import ClusterEnvironment  # noqa: E402
 from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
@@ -59,8 +59,8 @@ __all__ = [
     "SkipAwareScheduler",
 ]
 
-# The Trainer plugins live in their own modules (which import this one for the version check);
-# they are re-exported here lazily so that both import paths work without an import cycle.
+# The Trainer plugins live in their own modules (they need lightning.pytorch, Fabric does not);
+# they are re-exported here lazily so that importing this module does not import the Trainer.
 _TRAINER_NAMES = {
     "DistAMPTrainerPrecision": "distamp.integrations.lightning_trainer",
     "DistAMPFSDPPrecision": "distamp.integrations.lightning_fsdp",

@@ -19,17 +19,17 @@ from typing import Any
 
 import torch
 
-from distamp.integrations import lightning_trainer as _trainer
+from distamp.integrations import lightning_version
 
-LIGHTNING_VERSION = _trainer.LIGHTNING_VERSION  # importing it checked the version
+LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked the version
 
 from lightning.pytorch.plugins.precision import FSDPPrecision  # noqa: E402
 
 from distamp.integrations.lightning_trainer import (  # noqa: E402
+    TrainerPrecisionBase,
     UnscaleWhen,
-    _check_args,
-    _DistAMPTrainerBase,
-    _lightning_name,
+    check_plugin_args,
+    lightning_precision_name,
 )
 from distamp.parallel.fsdp import fsdp1_mixed_precision  # noqa: E402
 from distamp.precision.policy import AutocastPolicy, select_mp_owner  # noqa: E402
@@ -38,7 +38,7 @@ from distamp.scaler import DistributedGradScaler  # noqa: E402
 __all__ = ["LIGHTNING_VERSION", "DistAMPFSDPPrecision"]
 
 
-class DistAMPFSDPPrecision(_DistAMPTrainerBase, FSDPPrecision):
+class DistAMPFSDPPrecision(TrainerPrecisionBase, FSDPPrecision):
     """The same plugin for ``FSDPStrategy``, which accepts only ``FSDPPrecision`` instances.
 
     Lightning's ``FSDPPrecision("16-mixed")`` uses torch's ``ShardedGradScaler``, whose skip
@@ -66,7 +66,7 @@ class DistAMPFSDPPrecision(_DistAMPTrainerBase, FSDPPrecision):
         unscale: UnscaleWhen = "auto",
         gate_schedulers: bool = True,
     ) -> None:
-        parsed, device, scaler = _check_args(
+        parsed, device, scaler = check_plugin_args(
             type(self).__name__, precision, device, scaler, policy, unscale, gate_schedulers
         )
         # FSDPPrecision builds a ShardedGradScaler for "16-mixed"; it cannot be handed ours
@@ -75,7 +75,7 @@ class DistAMPFSDPPrecision(_DistAMPTrainerBase, FSDPPrecision):
         # uses it; without CUDA it warns that it disables itself, which does not concern us.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
-            FSDPPrecision.__init__(self, _lightning_name(parsed))
+            FSDPPrecision.__init__(self, lightning_precision_name(parsed))
         self._init_distamp(parsed, device, scaler, policy, unscale, gate_schedulers)
         self._mp_owner = (
             "autocast" if policy is not None else select_mp_owner(parsed, "fsdp", device)

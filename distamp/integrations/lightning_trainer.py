@@ -37,9 +37,9 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from distamp.integrations import lightning as _fabric_adapter
+from distamp.integrations import lightning_version
 
-LIGHTNING_VERSION = _fabric_adapter.LIGHTNING_VERSION  # importing it checked the version
+LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked the version
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
@@ -55,13 +55,21 @@ from distamp.precision.policy import AutocastPolicy, parse_precision  # noqa: E4
 from distamp.precision.policy import Precision as ParsedPrecision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
-__all__ = ["LIGHTNING_VERSION", "DistAMPTrainerPrecision"]
+__all__ = [
+    "LIGHTNING_VERSION",
+    "DistAMPTrainerPrecision",
+    "TrainerPrecisionBase",
+    "check_plugin_args",
+    "lightning_precision_name",
+]
 
 UnscaleWhen = Literal["auto", "before_hooks", "at_clip"]
 
 
-class _DistAMPTrainerBase(Precision):
-    """What both Trainer plugins share: the scaler, the step, clipping, schedulers, state.
+class TrainerPrecisionBase(Precision):
+    """What both Trainer plugins share: the scaler, the step, clipping, schedulers, state
+    (:class:`DistAMPTrainerPrecision` here, ``DistAMPFSDPPrecision`` in
+    :mod:`distamp.integrations.lightning_fsdp`).
 
     Subclasses put it in front of the Lightning class their strategy demands
     (``MixedPrecision`` or ``FSDPPrecision``); ``super()`` then reaches that class.
@@ -275,7 +283,7 @@ class _DistAMPTrainerBase(Precision):
             self._scaler.load_state_dict(state_dict)
 
 
-class DistAMPTrainerPrecision(_DistAMPTrainerBase, MixedPrecision):
+class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
     """Trainer precision plugin: autocast (or a policy) plus distamp's rank-consistent scaler.
 
     For single-device, ``DDPStrategy`` and ``ModelParallelStrategy`` runs (use
@@ -319,10 +327,10 @@ class DistAMPTrainerPrecision(_DistAMPTrainerBase, MixedPrecision):
         unscale: UnscaleWhen = "auto",
         gate_schedulers: bool = True,
     ) -> None:
-        parsed, device, scaler = _check_args(
+        parsed, device, scaler = check_plugin_args(
             type(self).__name__, precision, device, scaler, policy, unscale, gate_schedulers
         )
-        MixedPrecision.__init__(self, _lightning_name(parsed), device, scaler)
+        MixedPrecision.__init__(self, lightning_precision_name(parsed), device, scaler)
         self._init_distamp(parsed, device, scaler, policy, unscale, gate_schedulers)
 
     @contextmanager
@@ -334,7 +342,7 @@ class DistAMPTrainerPrecision(_DistAMPTrainerBase, MixedPrecision):
 
 
 # ---------------------------------------------------------------------------- helpers
-def _check_args(
+def check_plugin_args(
     owner: str,
     precision: Any,
     device: str | None,
@@ -343,6 +351,15 @@ def _check_args(
     unscale: Any,
     gate_schedulers: Any,
 ) -> tuple[ParsedPrecision, str, DistributedGradScaler | None]:
+    """Validate a Trainer plugin's arguments (``owner`` is the plugin's class name, for the
+    messages) and return ``(precision, device, scaler)``, the scaler created for fp16 when
+    none was given. Shared by both plugins so that they refuse the same things alike.
+
+    Raises:
+        ValueError: a precision other than fp16/bf16, a scaler with bf16, a policy for another
+            precision, or a bad ``unscale``/``gate_schedulers``.
+        TypeError: a scaler that is not a :class:`~distamp.DistributedGradScaler`.
+    """
     parsed = parse_precision(precision)
     if parsed.compute_dtype is None:
         raise ValueError(
@@ -376,7 +393,8 @@ def _check_args(
     return parsed, device, scaler
 
 
-def _lightning_name(parsed: ParsedPrecision) -> Literal["16-mixed", "bf16-mixed"]:
+def lightning_precision_name(parsed: ParsedPrecision) -> Literal["16-mixed", "bf16-mixed"]:
+    """The precision string Lightning's own plugin classes take for ``parsed``."""
     return "16-mixed" if parsed.needs_scaler else "bf16-mixed"
 
 

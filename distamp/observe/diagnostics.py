@@ -199,7 +199,7 @@ class OverflowRecorder:
 def _all_finite(grad: torch.Tensor) -> bool:
     local = local_grad(grad)
     if local.is_sparse:
-        local = local.coalesce()._values()
+        local = local.coalesce().values()
     return bool(torch.isfinite(local).all())  # host read: called for a skipped step only
 
 

@@ -23,14 +23,11 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 import torch.distributed as dist
 
 from distamp.cluster import is_distributed
-
-if TYPE_CHECKING:
-    from distamp.observe.metrics import WindowStats
 
 __all__ = [
     "ConsoleWriter",
@@ -38,8 +35,20 @@ __all__ = [
     "MetricsWriter",
     "ProgressPrinter",
     "TensorBoardWriter",
+    "Window",
     "make_writer",
 ]
+
+
+class Window(Protocol):
+    """A collected window as :class:`ProgressPrinter` takes it: its step and its figures by name
+    (:class:`distamp.observe.metrics.WindowStats` is one). Writers format; they never need the
+    reducer that produced the figures, so this module does not import it."""
+
+    @property
+    def step(self) -> int: ...
+
+    def as_dict(self) -> dict[str, Any]: ...
 
 
 class MetricsWriter(Protocol):
@@ -264,7 +273,7 @@ class ProgressPrinter:
         """Redraw the progress line (terminals only)."""
         self.console.step(step)
 
-    def log(self, stats: WindowStats) -> None:
+    def log(self, stats: Window) -> None:
         """Hand a collected window to every writer."""
         record = stats.as_dict()
         for writer in self.writers:

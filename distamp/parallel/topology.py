@@ -32,8 +32,8 @@ collective at all.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -150,6 +150,31 @@ def _dtensor_copies(param: Any, agreeing: frozenset[int] | None) -> int:
     return max(1, _within(grid[tuple(index)].flatten().tolist(), agreeing))
 
 
+@dataclass
+class _ForwardSync:
+    """Whether the last forward of a registered DDP wrapper will all-reduce its gradients
+    (not under ``no_sync()``, grad enabled): set by the wrapper's forward pre-hook."""
+
+    synced: bool = False
+
+
+def _fsdp1_replica_group(module: Any) -> Any:
+    """The group over which an FSDP1 module with a hybrid strategy replicates its shards
+    (``None`` for the other strategies).
+
+    FSDP1 keeps its hybrid strategies and that group in private names (the ZeRO-2 hybrid is
+    ``ShardingStrategy._HYBRID_SHARD_ZERO2``, the group ``_inter_node_pg``) with no public
+    accessor; the ranks cannot be derived from the world layout, since a user may pass their
+    own ``(intra, inter)`` groups. Checked on torch 2.4 - 2.13. The only place they are read.
+    """
+    from torch.distributed.fsdp import ShardingStrategy
+
+    hybrid = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    if getattr(module, "sharding_strategy", None) not in hybrid:
+        return None
+    return module._inter_node_pg
+
+
 class Topology:
     """Who must agree and how many copies of each gradient element exist (see module doc).
 
@@ -166,7 +191,7 @@ class Topology:
         self._holders: dict[int, tuple[int, ...]] = {}
         self._stage_divisor: dict[int, int] = {}
         self._ddp_params: dict[int, tuple[int, ...]] = {}  # synced by DDP over these ranks
-        self._ddp_synced_forward = False
+        self._ddp_forward = _ForwardSync()  # written by the DDP wrapper's forward pre-hook
         self._ddp_cover: dict[tuple[int, ...], bool] = {}  # parameter ids -> all DDP-synced
         self._copies: dict[int, int] = {}
         self.param_names: dict[int, str] = {}
@@ -186,7 +211,7 @@ class Topology:
         self._holders.clear()
         self._stage_divisor.clear()
         self._ddp_params.clear()
-        self._ddp_synced_forward = False
+        self._ddp_forward.synced = False
         self._ddp_cover.clear()
         self._copies.clear()
         self.param_names.clear()
@@ -223,13 +248,12 @@ class Topology:
     def _register_fsdp1(self, module: Any) -> None:
         from torch.distributed.fsdp import ShardingStrategy
 
-        # FSDP1 keeps its sharding strategy and groups as instance attributes (torch 2.4 - 2.13);
-        # there is no public accessor.
         strategy = getattr(module, "sharding_strategy", ShardingStrategy.FULL_SHARD)
+        replicas = _fsdp1_replica_group(module)
         if strategy == ShardingStrategy.NO_SHARD:
             holders = tuple(dist.get_process_group_ranks(module.process_group))
-        elif strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-            holders = tuple(dist.get_process_group_ranks(module._inter_node_pg))
+        elif replicas is not None:
+            holders = tuple(dist.get_process_group_ranks(replicas))
         else:
             holders = (dist.get_rank(),)
         self._holders.update((id(p), holders) for p in module.parameters())
@@ -241,14 +265,12 @@ class Topology:
             self._holders[id(p)] = ranks
             if p.requires_grad and n not in ignored:
                 self._ddp_params[id(p)] = ranks
-        ref = weakref.ref(self)
+        flag = self._ddp_forward  # the hook holds the flag only, not the topology
 
         def _record_sync(mod: nn.Module, _args: Any) -> None:
-            topo = ref()
-            if topo is not None:
-                topo._ddp_synced_forward = bool(
-                    getattr(mod, "require_backward_grad_sync", False) and torch.is_grad_enabled()
-                )
+            flag.synced = bool(
+                getattr(mod, "require_backward_grad_sync", False) and torch.is_grad_enabled()
+            )
 
         module.register_forward_pre_hook(_record_sync)
 
@@ -263,7 +285,7 @@ class Topology:
         inside a pipeline stage)
         means the flags are reduced as usual.
         """
-        if not (self._ddp_synced_forward and self._ddp_params):
+        if not (self._ddp_forward.synced and self._ddp_params):
             return False
         covered = self._ddp_cover.get(key)
         if covered is None:  # what the wrappers synchronise changes only at registration

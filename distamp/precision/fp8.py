@@ -27,6 +27,7 @@ gives the float8 tensor-parallel styles), then hand the model to the engine.
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -149,8 +150,7 @@ class Float8Training:
         ao.convert_to_float8_training(
             model, module_filter_fn=lambda _m, fqn: fqn in selected, config=config
         )
-        state = cls(settings, choices)
-        state._cast_inputs(model)
+        state = cls(settings, choices, _hooks=_add_input_casts(model))
         if not selected and (not is_distributed() or dist.get_rank() == 0):
             why = "; ".join(str(c) for c in choices[:4]) or "the model has no nn.Linear"
             warnings.warn(
@@ -181,19 +181,7 @@ class Float8Training:
             else replace(c, fp8=False, reason="not converted before parallelising")
             for c in plan_linears(model, policy)
         ]
-        state = cls(settings, choices, adopted=True)
-        state._cast_inputs(model)
-        return state
-
-    def _cast_inputs(self, model: nn.Module) -> None:
-        # First among the pre-hooks: a tensor-parallel style's input hook, registered later,
-        # must see the cast activation.
-        for module in model.modules():
-            if is_float8_linear(module) and not getattr(module, "_distamp_cpu_cast", False):
-                module._distamp_cpu_cast = True  # type: ignore[assignment]
-                self._hooks.append(
-                    module.register_forward_pre_hook(_cast_to_cpu_autocast, prepend=True)
-                )
+        return cls(settings, choices, adopted=True, _hooks=_add_input_casts(model))
 
     def after_wrap(
         self,
@@ -337,6 +325,24 @@ def convert_for_fp8(
     return Float8Training.convert(model, policy, strategy=strategy, device=torch.device(device))
 
 
+# The float8 layers that carry the CPU input cast: one hook per layer, whichever Float8Training
+# installed it first (convert_for_fp8's, then the engine's adopt of the same model). Kept here,
+# not as a mark set on torchao's modules.
+_INPUT_CAST: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _add_input_casts(model: nn.Module) -> list[Any]:
+    """Put :func:`_cast_to_cpu_autocast` on every float8 layer of ``model`` that has none yet;
+    return the new hook handles. First among the pre-hooks: a tensor-parallel style's input
+    hook, registered later, must see the cast activation."""
+    hooks = []
+    for module in model.modules():
+        if is_float8_linear(module) and module not in _INPUT_CAST:
+            _INPUT_CAST.add(module)
+            hooks.append(module.register_forward_pre_hook(_cast_to_cpu_autocast, prepend=True))
+    return hooks
+
+
 def _cast_to_cpu_autocast(_module: nn.Module, args: tuple[Any, ...]) -> Any:
     """Cast a CPU fp32 input to CPU autocast's dtype, as Float8Linear does under CUDA autocast.
 
@@ -366,7 +372,7 @@ def install_compile_guard(model: nn.Module, message: str) -> list[Any]:
     """Make ``torch.compile`` of ``model`` raise ``RuntimeError(message)`` at its first call.
 
     A forward pre-hook on ``model`` checks ``torch.compiler.is_compiling()``: while Dynamo
-    traces the hook that is True, and the call to a ``torch._dynamo.disable``-d function runs
+    traces the hook that is True, and the call to a ``torch.compiler.disable``-d function runs
     eagerly, so the error reaches the caller instead of being traced into a graph. Eager calls
     cost one Python check.
 
@@ -374,7 +380,7 @@ def install_compile_guard(model: nn.Module, message: str) -> list[Any]:
         The hook handles.
     """
 
-    @torch._dynamo.disable  # type: ignore[misc]
+    @torch.compiler.disable
     def refuse() -> None:
         raise RuntimeError(message)
 

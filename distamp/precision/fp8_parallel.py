@@ -55,9 +55,35 @@ def gathers_in_float8(module: nn.Module) -> bool:
     float8 (a DTensor over torchao's ``WeightWithDynamicFloat8CastTensor``)."""
     if not is_float8_linear(module):
         return False
-    weight = getattr(module, "weight", None)
-    local = getattr(weight, "_local_tensor", None)  # a DTensor's shard
-    return type(local).__name__ == "WeightWithDynamicFloat8CastTensor"
+    return _TorchaoShard(getattr(module, "weight", None)).is_float8
+
+
+class _TorchaoShard:
+    """This rank's part of a weight that FSDP2 gathers in float8: torchao's
+    ``WeightWithDynamicFloat8CastTensor`` inside the weight's DTensor.
+
+    The one place that touches DTensor's and torchao's private names (checked on torch 2.13
+    with torchao 0.18). FSDP2's pre-all-gather cast reads the scale precomputed on that very
+    object (``_precomputed_scale``; torchao's own ``precompute_float8_dynamic_scale_for_fsdp``
+    sets it the same way, and there is no public setter), and ``DTensor.to_local()`` cannot
+    reach the object: for a Parameter it returns a fresh view, on which the scale would be lost.
+    """
+
+    def __init__(self, weight: Any) -> None:
+        self.tensor: Any = getattr(weight, "_local_tensor", None)  # None: not a DTensor
+
+    @property
+    def is_float8(self) -> bool:
+        return type(self.tensor).__name__ == "WeightWithDynamicFloat8CastTensor"
+
+    def plain(self) -> torch.Tensor:
+        """The high-precision tensor the wrapper forwards every op to: one plain foreach
+        kernel over these instead of a subclass dispatch per weight."""
+        return getattr(self.tensor, "_tensor", self.tensor)
+
+    def set_scale(self, scale: torch.Tensor) -> None:
+        """The scale FSDP2's next pre-all-gather cast uses for this weight."""
+        self.tensor._precomputed_scale = scale
 
 
 def _mesh_ranks(weight: Any) -> tuple[int, ...]:
@@ -101,11 +127,12 @@ class WeightScales:
         # Shapes never change: which shards are empty (they contribute 0) and where the rest go
         # is fixed, and so is the index of the scatter (None: a plain stack is already in order).
         shards = self._shards()
-        self._nonempty = [i for i, s in enumerate(shards) if s.numel()]
+        self._nonempty = [i for i, s in enumerate(shards) if s.tensor.numel()]
         in_order = self._slots == list(range(self.size))
         self._index: torch.Tensor | None = None
         if not (in_order and len(self._nonempty) == self.size):
-            device = shards[0].device if shards else self.reducer.device_for(torch.device("cpu"))
+            cpu = torch.device("cpu")
+            device = shards[0].tensor.device if shards else self.reducer.device_for(cpu)
             self._index = torch.tensor([self._slots[i] for i in self._nonempty], device=device)
 
     @property
@@ -122,10 +149,8 @@ class WeightScales:
             return
         from torchao.float8.float8_utils import EPS
 
-        # The high-precision tensor inside torchao's weight wrapper: one plain foreach kernel
-        # instead of a subclass dispatch (the wrapper forwards every op to it anyway).
         local = self._shards()
-        shards = [getattr(s, "_tensor", s) for s in local]
+        shards = [s.plain() for s in local]
         if self._index is None:  # this rank holds every key, in slot order, none empty
             amax = torch.stack(torch._foreach_norm(shards, ord=float("inf"))).float()
         else:
@@ -139,11 +164,10 @@ class WeightScales:
         # torchao's arithmetic (clamp, then float64 division), so the scales are its own.
         scales = (self._float8_max / torch.clamp(amax, EPS).double()).float().unbind()
         for shard, i in zip(local, self._slots, strict=True):
-            shard._precomputed_scale = scales[i]  # read by FSDP2's pre-all-gather cast
+            shard.set_scale(scales[i])  # read by FSDP2's pre-all-gather cast
 
-    def _shards(self) -> list[Any]:
-        # torchao's WeightWithDynamicFloat8CastTensor inside each weight DTensor
-        return [m.weight._local_tensor for _, m in self._layers]
+    def _shards(self) -> list[_TorchaoShard]:
+        return [_TorchaoShard(m.weight) for _, m in self._layers]
 
 
 def _float8_max(modules: list[Any]) -> float:

@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch import nn
 
 from distamp.precision.fp8_parallel import is_float8_linear
 
-if TYPE_CHECKING:
-    from distamp.precision.policy import AutocastPolicy
-
-__all__ = ["DEFAULT_MIN_FEATURES", "FP8_RECIPES", "Float8Settings", "LinearChoice", "plan_linears"]
+__all__ = [
+    "DEFAULT_MIN_FEATURES",
+    "FP8_RECIPES",
+    "Float8Settings",
+    "Fp8Policy",
+    "LinearChoice",
+    "plan_linears",
+]
 
 FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
 """torchao's recipes: one scale per tensor (cuBLAS kernel; the only one with float8 FSDP
@@ -92,7 +96,20 @@ class LinearChoice:
         return f"{self.name} ({shape}): {'fp8' if self.fp8 else 'bf16'}, {self.reason}"
 
 
-def plan_linears(model: nn.Module, policy: AutocastPolicy) -> list[LinearChoice]:
+class Fp8Policy(Protocol):
+    """What :func:`plan_linears` reads of a precision policy (:class:`~distamp.AutocastPolicy`
+    is one). The policy holds :class:`Float8Settings`, so this module names only the part of
+    the policy it asks, rather than importing the policy back."""
+
+    @property
+    def fp8(self) -> Float8Settings | None:
+        """The fp8 settings; ``None`` for a policy of another precision."""
+
+    def fp32_modules_of(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The ``(name, module)`` pairs of ``model`` that run in fp32, outermost only."""
+
+
+def plan_linears(model: nn.Module, policy: Fp8Policy) -> list[LinearChoice]:
     """Decide, for every ``nn.Linear`` of ``model``, whether it runs in fp8 (no torchao needed).
 
     Pure: reads module types, names and shapes only. The rules and their order are the module

@@ -1,0 +1,126 @@
+"""The engine's step accounting: where a step is in its accumulation cycle, and which skipped
+steps were already reported.
+
+Two small records that :class:`~distamp.DistAMP` owns and the run loop
+(:mod:`distamp.engine.loop`) asks: the loop drives micro-batches and logging windows but never
+counts them itself, so the call-order rules and the skip reports have one home.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from distamp.cluster import is_distributed
+from distamp.observe.diagnostics import ScaleHealth
+from distamp.observe.metrics import WindowStats
+from distamp.precision.fp8 import Float8Training
+from distamp.scaler import DistributedGradScaler
+
+__all__ = ["MicroBatchCycle", "SkipReports"]
+
+
+class MicroBatchCycle:
+    """The ``backward()`` calls of the current optimizer step, and the order they impose:
+    ``grad_accum_steps`` backward calls, then one step (a pipeline schedule runs them all).
+
+    Args:
+        grad_accum_steps: micro-batches per optimizer step (validated by the engine's config).
+    """
+
+    def __init__(self, grad_accum_steps: int) -> None:
+        self.size = grad_accum_steps
+        self.done = 0  # backward() calls since the last step()
+
+    @property
+    def is_last(self) -> bool:
+        """Whether the next backward completes the cycle (then the step is due)."""
+        return self.done + 1 >= self.size
+
+    @property
+    def complete(self) -> bool:
+        """Whether every micro-batch of the cycle has run its backward."""
+        return self.done == self.size
+
+    def check_backward(self) -> None:
+        """Before a backward: raise ``RuntimeError`` if the cycle is already complete."""
+        if self.done >= self.size:
+            raise RuntimeError(
+                f"backward() called {self.done + 1} times since the last step() with "
+                f"grad_accum_steps={self.size}: call step() after every {self.size} backward() "
+                "calls"
+            )
+
+    def backward_done(self) -> None:
+        self.done += 1
+
+    def check_step(self) -> None:
+        """Before a step: raise ``RuntimeError`` unless the cycle is complete."""
+        if self.done != self.size:
+            raise RuntimeError(
+                f"step() after {self.done} of grad_accum_steps={self.size} backward() calls: call "
+                "backward() once per micro-batch, then step() once per cycle"
+            )
+
+    def require_idle(self, message: str) -> None:
+        """Raise ``RuntimeError(message)`` in the middle of a cycle (some backward ran)."""
+        if self.done:
+            raise RuntimeError(message)
+
+    def fill(self) -> None:
+        """A pipeline schedule ran every micro-batch's backward itself."""
+        self.done = self.size
+
+    def reset(self) -> None:
+        """After the step: the next cycle begins."""
+        self.done = 0
+
+
+class SkipReports:
+    """Which skipped steps were reported, and the scale-health warning, at logging steps.
+
+    A window whose skip count grew since the last report gets the overflow report (which
+    layers, which ranks; a collective, taken by every rank alike since the window's figures are
+    identical) and, on rank 0, the scale-health warning when the scale keeps dropping or sits
+    at its floor.
+    """
+
+    def __init__(self) -> None:
+        self.health = ScaleHealth()
+        self.seen = 0  # skipped steps already reported
+
+    def arm(self, min_scale: float | None) -> None:
+        """At setup: the scale's floor, for the "at floor" warning."""
+        self.health = ScaleHealth(min_scale=min_scale)
+
+    def restored(self, skipped_steps: int) -> None:
+        """After loading a checkpoint: its skips are not new ones."""
+        self.seen = skipped_steps
+
+    def diagnose(
+        self,
+        stats: WindowStats,
+        scaler: DistributedGradScaler,
+        fp8: Float8Training | None = None,
+    ) -> WindowStats:
+        """``stats`` with its overflow line when the window skipped (see the class doc).
+
+        Args:
+            stats: the collected window.
+            scaler: the engine's scaler.
+            fp8: the engine's float8 layers, if any: names them among the report's.
+        """
+        if stats.skipped_steps == self.seen or not scaler.is_enabled():
+            self.health.check(skipped_in_a_row=0, scale=stats.loss_scale, report=None)
+            return stats
+        self.seen = stats.skipped_steps
+        report = scaler.overflow_report()
+        if fp8 is not None:
+            report = fp8.annotate(report)
+        streak = scaler.skip_streak
+        text = self.health.check(skipped_in_a_row=streak, scale=stats.loss_scale, report=report)
+        if text is not None and (not is_distributed() or dist.get_rank() == 0):
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
+        return replace(stats, overflow=None if report is None else report.one_line())
