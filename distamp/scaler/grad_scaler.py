@@ -334,7 +334,8 @@ class DistributedGradScaler(ScalerReporting):
 
     def _reducer_for(self, records: Iterable[OptimizerStep]) -> reduction.FlagReducer:
         """The job's agreement group; a no-op when DDP already synchronised every optimizer."""
-        if all(r.ddp_covered for r in records):
+        # A rider's statistics must be agreed even where DDP already spread every inf.
+        if self._rider is None and all(r.ddp_covered for r in records):
             return reduction.FlagReducer((), None)
         return self._topology.agreement
 
@@ -357,9 +358,11 @@ class DistributedGradScaler(ScalerReporting):
             if scale is not None
             else (extra.device if extra is not None else torch.device("cpu"))
         )
+        extra, extra_op, split = reduction.ride_along(self._rider, extra, extra_op)
         if not reducer.is_noop:
             self.collectives_issued += len(reducer.groups)
-        return agree_pending(pending, reducer, home, extra, extra_op)
+        agreed = agree_pending(pending, reducer, home, extra, extra_op)
+        return split(agreed, reducer.size)  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ clipping
     def clip_grad_norm_(

@@ -17,6 +17,7 @@ from distamp.observe.diagnostics import (
     OverflowReport,
     build_report,
 )
+from distamp.parallel import reduction
 from distamp.parallel.topology import Topology
 from distamp.scaler.config import validate_state_dict
 from distamp.scaler.grad_groups import GradPlans
@@ -40,6 +41,7 @@ class ScalerReporting(torch.amp.GradScaler):
     _plans: GradPlans
     _overflow: OverflowRecorder | None
     _tracer: NonFiniteTracer | None
+    _rider: reduction.Rider | None = None  # statistics riding the step's one collective
 
     @property
     def min_scale(self) -> float | None:
@@ -82,6 +84,12 @@ class ScalerReporting(torch.amp.GradScaler):
         kept
         for skipped steps and appears in :meth:`overflow_report`. ``None`` detaches."""
         self._tracer = tracer
+
+    def attach_rider(self, rider: reduction.Rider | None) -> None:
+        """Let ``rider``'s statistics (:class:`~distamp.observe.numerics.NumericMonitor`) travel
+        in each step's one flag collective, over the agreement group even where a registered DDP
+        module would have made that collective unnecessary. ``None`` detaches."""
+        self._rider = rider
 
     def overflow_report(self) -> OverflowReport | None:
         """Which parameters (and modules, ranks, inf or NaN) overflowed at the last skipped step.
