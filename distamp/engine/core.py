@@ -28,6 +28,7 @@ from distamp.cluster import (
     named_collective,
     shutdown_distributed,
 )
+from distamp.engine.adaptive_run import AdaptiveRun
 from distamp.engine.checkpoint import load_checkpoint, save_checkpoint
 from distamp.engine.config import (
     AMPConfig,
@@ -41,6 +42,7 @@ from distamp.engine.config import (
 from distamp.engine.loop import pipeline_loss_fn, pipeline_stages, run_pipeline_step, train_loop
 from distamp.observe.diagnostics import NonFiniteTracer, ScaleHealth
 from distamp.observe.metrics import Metrics, StepResult, WindowStats
+from distamp.observe.numerics import NumericStats
 from distamp.parallel.strategies import (
     SHARDED,
     apply_strategy,
@@ -98,6 +100,8 @@ class DistAMP:
         trace_nonfinite: forward hooks that find the first module whose output went inf/NaN,
             for the overflow report (see :mod:`distamp.observe.diagnostics`; costs one reduction per
             module output, ~4% of the main job's step on CPU).
+        numerics_interval: run the numeric monitor (:mod:`distamp.observe.numerics`) with a report
+            every this many steps, read by :meth:`numerics`; an adaptive policy runs it anyway.
 
     Raises:
         ValueError: a bad setting; the message names the field and echoes the value.
@@ -113,6 +117,7 @@ class DistAMP:
     metrics: Metrics  # on-device window counters, reduced at logging steps
     tracer: NonFiniteTracer | None  # forward non-finite tracing (trace_nonfinite=True)
     fp8: Float8Training | None  # torchao float8 layers and their FSDP2 weight scales
+    adaptive: AdaptiveRun | None  # numeric monitor + adaptive precision (engine/adaptive_run.py)
     comm_hook_state: Any  # the DDP comm hook's state, when one is registered
     step_count: int  # optimizer steps completed (skipped ones included)
     _model: nn.Module | None  # the wrapped model (None before setup and after close)
@@ -136,6 +141,7 @@ class DistAMP:
         comm_hook: str | None = None,
         hsdp_shard_size: int | None = None,
         mesh: Any = None,
+        numerics_interval: int | None = None,
     ) -> None:
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
@@ -163,6 +169,7 @@ class DistAMP:
         self.metrics = Metrics(self.device)
         self.trace_nonfinite = bool(trace_nonfinite)
         self.tracer, self.fp8, self.comm_hook_state = None, None, None
+        self.numerics_interval, self.adaptive = numerics_interval, None
         self.step_count, self._micro = 0, 0
         self._model, self._optimizer = None, None
         self._owns_group = False
@@ -272,6 +279,10 @@ class DistAMP:
         if self.trace_nonfinite:
             self.tracer = NonFiniteTracer(model)  # the unwrapped model: its module names
             self.scaler.attach_tracer(self.tracer)
+        self.adaptive = AdaptiveRun.build(  # the unwrapped model: its module names
+            model, precision=cfg.precision, policy=cfg.policy, scaler=self.scaler,
+            interval=self.numerics_interval, step=self.step_count,
+        )  # fmt: skip
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
         self.metrics = Metrics(self.device)
         return wrapped, optimizer
@@ -338,6 +349,8 @@ class DistAMP:
                 "backward() once per micro-batch, then step() once per cycle"
             )
         norm = None
+        if self.adaptive is not None:  # gradient underflow, read while still scaled
+            self.adaptive.before_step()
         with named_collective("step (overflow flag and norm agreement)", self.config.timeout):
             # 1. clip: unscale + overflow check + norm in one pass and the step's one
             #    collective; the clip factor is applied once (inside a fused optimizer's step)
@@ -356,6 +369,8 @@ class DistAMP:
         # 6. next cycle: gradients released, metrics counted
         opt.zero_grad(set_to_none=True)
         self.metrics.end_step(norm, scaler)
+        if self.adaptive is not None:  # agreed report -> the same precision changes everywhere
+            self.adaptive.after_step(scaler.last_step_skipped)
         self._micro = 0
         self.step_count += 1
         return result
@@ -389,7 +404,10 @@ class DistAMP:
     def state_dict(self) -> dict[str, Any]:
         """The small, rank-identical state: step counter, scaler, scheduler (syncs: the scaler)."""
         sched = self.scheduler.state_dict() if self.scheduler is not None else None
-        return {"step": self.step_count, "scaler": self.scaler.state_dict(), "scheduler": sched}
+        state = {"step": self.step_count, "scaler": self.scaler.state_dict(), "scheduler": sched}
+        if self.adaptive is not None:  # precision changes, replayed by load_state
+            state["adaptive"] = self.adaptive.state_dict()
+        return state
 
     def save_state(self, directory: str | Path, *, keep: int = 2) -> Path:
         """Save model, optimizer, scheduler, scaler, step counter and RNG streams atomically
@@ -431,7 +449,14 @@ class DistAMP:
             self._skips_seen = self.scaler.skipped_steps  # restored skips are not new ones
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self.adaptive is not None and state.get("adaptive") is not None:
+            self.adaptive.load_state_dict(state["adaptive"])
         return True
+
+    def numerics(self) -> NumericStats | None:
+        """The numeric monitor's latest agreed report (identical on every rank; no sync), or
+        ``None`` before the first report or without a monitor."""
+        return None if self.adaptive is None else self.adaptive.latest
 
     def close(self) -> None:
         """Finish the job cleanly on every rank. Collective: call on every rank.
@@ -448,6 +473,8 @@ class DistAMP:
         if self.tracer is not None:
             self.tracer.remove()
             self.scaler.attach_tracer(None)
+        if self.adaptive is not None:
+            self.adaptive.close()
         self._model = self._optimizer = self.scheduler = self.tracer = None
         self.comm_hook_state = None
         if self.fp8 is not None:  # its weight scales hold the model's float8 layers
