@@ -212,7 +212,8 @@ def _two_ranks(rank: int, world: int) -> dict[str, object]:
     assert policy is not None and policy.adaptive is not None
     out = {
         "changes": [(c.step, c.module) for c in policy.adaptive.changes],
-        "params": [p.detach().clone() for p in net.parameters()],
+        # plain lists: tensors through the result queue outlive their sender's shared memory
+        "params": [p.detach().flatten().tolist() for p in net.parameters()],
         "skipped": amp.scaler.skipped_steps,
         "headroom": amp.numerics().headroom,  # type: ignore[union-attr]
     }
@@ -225,8 +226,7 @@ def test_two_ranks_promote_together() -> None:
     assert r0["changes"] == r1["changes"] == [(2, "hot")]
     assert r0["skipped"] == r1["skipped"] == 2
     assert r0["headroom"] == r1["headroom"]  # agreed numbers
-    for a, b in zip(r0["params"], r1["params"], strict=True):  # type: ignore[call-overload]
-        assert torch.equal(a, b)
+    assert r0["params"] == r1["params"]  # bitwise: fp32 values as Python floats
 
 
 def test_warnings_are_not_errors() -> None:
