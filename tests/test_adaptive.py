@@ -36,7 +36,7 @@ class Hot(nn.Module):
         self.weight, self.bias = fc.weight, fc.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias) * 16
         return y / (1 + y.abs().amax(-1, keepdim=True))
 
 
@@ -55,12 +55,12 @@ _W = torch.randn(D, 1, generator=torch.Generator().manual_seed(1))
 def batch(
     k: int, rank: int = 0, spiky: bool = True, n: int = 32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch ``k`` of ``rank``; ``spiky``: 4 rows scaled by 6e4 (their fp16 pre-activation
-    overflows in ``hot``)."""
+    """Batch ``k`` of ``rank``; ``spiky``: 4 rows scaled by 6e4, clamped to fp16's range
+    (their pre-activation overflows inside ``hot``)."""
     g = torch.Generator().manual_seed(1000 * (rank + 1) + k)
     x = torch.randn(n, D, generator=g)
     if spiky:
-        x[:4] *= 6e4
+        x[:4] = (x[:4] * 6e4).clamp(-6e4, 6e4)  # fp16-representable inputs
     xn = x / (1 + x.abs().amax(-1, keepdim=True))
     y = torch.tanh(4 * xn @ _W) + 0.3 * torch.randn(n, 1, generator=g)
     return x, y
@@ -73,7 +73,11 @@ def make(
     net = Net()
     policy = AutocastPolicy(precision, adaptive=RULES) if adaptive else None
     amp = distamp.DistAMP(precision, strategy=strategy, policy=policy, numerics_interval=numerics)
-    amp.setup(net, lambda p: torch.optim.AdamW(p, lr=2e-2))
+    amp.setup(
+        net,
+        lambda p: torch.optim.AdamW(p, lr=3e-2),
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / (STEPS + 1)),
+    )  # a decaying rate: both runs settle, so their final losses compare
     return amp, net, policy
 
 
@@ -241,3 +245,51 @@ def test_warnings_are_not_errors() -> None:
         assert torch.equal(a, b)
     amp.close()
     ref_amp.close()
+
+
+def _fsdp2(rank: int, world: int) -> dict[str, object]:
+    amp, net, policy = make("fp16", True, strategy="fsdp2")
+    train(amp, 0, 12, rank=rank, spiky=rank == 1)
+    assert policy is not None and policy.adaptive is not None
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in net.parameters()]
+    out = {
+        "changes": [(c.step, c.module) for c in policy.adaptive.changes],
+        "skipped": amp.scaler.skipped_steps,
+        "params": [p.detach().flatten().tolist() for p in params],
+    }
+    amp.close()
+    return out
+
+
+def test_fsdp2_promotes_inside_the_unit() -> None:
+    """FSDP2 gathers parameters in fp16: the promoted module upcasts them too, not re-wrapped."""
+    r0, r1 = run_ranks(_fsdp2, 2, timeout=240)
+    assert r0["changes"] == r1["changes"] == [(2, "hot")]
+    assert r0["skipped"] == r1["skipped"] == 2  # training goes on after the promotion
+    assert r0["params"] == r1["params"]
+
+
+def test_headroom_rule_demotion_and_hysteresis() -> None:
+    """The rules on hand-made agreed reports: promote on headroom, demote when calm, and a
+    module promoted a second time stays."""
+    from distamp.observe.numerics import NumericStats
+    from distamp.precision.adaptive import AdaptivePrecision
+
+    rules = AdaptiveRules(patience=2, demote=True, calm_reports=2, max_promoted_fraction=0.5)
+    adaptive = AdaptivePrecision(rules, "fp16")
+    adaptive.bind(Net())
+
+    def report(step: int, hot: float) -> list[tuple[int, str, str]]:
+        stats = NumericStats(step, headroom={"hot": hot, "mid": 0.01, "out": 0.01})
+        return [(c.step, c.before, c.after) for c in adaptive.decide(stats)]
+
+    assert report(10, 0.7) == []  # one hot report: patience is 2
+    assert report(20, 0.8) == [(20, "fp16", "fp32")]
+    assert report(30, 0.01) == [] and report(40, 0.01) == [(40, "fp32", "fp16")]
+    assert adaptive.promoted == ()
+    report(50, 0.9)
+    assert report(60, 0.9) == [(60, "fp16", "fp32")]
+    assert [report(s, 0.0) for s in (70, 80, 90)] == [[], [], []]  # pinned: never demoted
+    assert adaptive.promoted == ("hot",)
+    inf = NumericStats(100, headroom={"mid": float("inf")})
+    assert adaptive.decide(inf) == adaptive.decide(inf) == []  # the skip rule's business

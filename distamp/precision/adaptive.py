@@ -23,13 +23,14 @@ from __future__ import annotations
 import math
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from distamp.observe.numerics import NumericStats
@@ -135,8 +136,25 @@ def _autocast_on(device_types: tuple[str, ...]) -> Iterator[str]:
             yield kind
 
 
+class _Upcast(TorchFunctionMode):
+    """Inside a promoted module: every op's low-precision floating arguments cast to fp32.
+
+    Casting the module's inputs is not enough where its parameters themselves arrive in the
+    compute dtype (FSDP2 gathers them so): ``F.linear(fp32, fp16)`` refuses mixed dtypes once
+    autocast is off. The cast is differentiable, so gradients still reach the parameters."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return func(*_cast_fp32(args), **_cast_fp32(kwargs or {}))
+
+
 def _island(module: nn.Module) -> list[RemovableHandle]:
-    """Hooks that run ``module`` with autocast off and its low-precision inputs cast to fp32:
+    """Hooks that run ``module`` with autocast off and every low-precision operand cast to fp32:
     the promotion. A stack per module keeps re-entrant calls right; the post hook always runs."""
     stack: list[ExitStack] = []
 
@@ -145,6 +163,8 @@ def _island(module: nn.Module) -> list[RemovableHandle]:
         kinds = list(_autocast_on(("cpu", "cuda")))
         for kind in kinds:
             ctx.enter_context(torch.autocast(kind, enabled=False))
+        if kinds:
+            ctx.enter_context(_Upcast())
         stack.append(ctx)
         return (_cast_fp32(args), _cast_fp32(kwargs)) if kinds else None
 
