@@ -29,6 +29,7 @@ from distamp.cluster import (
     shutdown_distributed,
 )
 from distamp.engine.accounting import MicroBatchCycle, SkipReports
+from distamp.engine.adaptive_run import AdaptiveRun
 from distamp.engine.checkpoint import load_checkpoint, save_checkpoint
 from distamp.engine.config import (
     AMPConfig,
@@ -42,6 +43,7 @@ from distamp.engine.config import (
 from distamp.engine.loop import RunLoop, pipeline_stages
 from distamp.observe.diagnostics import NonFiniteTracer
 from distamp.observe.metrics import Metrics, StepResult
+from distamp.observe.numerics import NumericStats
 from distamp.parallel.strategies import (
     SHARDED,
     apply_strategy,
@@ -99,6 +101,8 @@ class DistAMP(RunLoop):
         trace_nonfinite: forward hooks that find the first module whose output went inf/NaN,
             for the overflow report (see :mod:`distamp.observe.diagnostics`; costs one reduction per
             module output, ~4% of the main job's step on CPU).
+        numerics_interval: run the numeric monitor (:mod:`distamp.observe.numerics`) with a report
+            every this many steps, read by :meth:`numerics`; an adaptive policy runs it anyway.
 
     Raises:
         ValueError: a bad setting; the message names the field and echoes the value.
@@ -114,6 +118,7 @@ class DistAMP(RunLoop):
     metrics: Metrics  # on-device window counters, reduced at logging steps
     tracer: NonFiniteTracer | None  # forward non-finite tracing (trace_nonfinite=True)
     fp8: Float8Training | None  # torchao float8 layers and their FSDP2 weight scales
+    adaptive: AdaptiveRun | None  # numeric monitor + adaptive precision (engine/adaptive_run.py)
     comm_hook_state: Any  # the DDP comm hook's state, when one is registered
     step_count: int  # optimizer steps completed (skipped ones included)
     cycle: MicroBatchCycle  # backward() calls since the last step(), and their call order
@@ -136,6 +141,7 @@ class DistAMP(RunLoop):
         comm_hook: str | None = None,
         hsdp_shard_size: int | None = None,
         mesh: Any = None,
+        numerics_interval: int | None = None,
     ) -> None:
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
@@ -163,6 +169,7 @@ class DistAMP(RunLoop):
         self.metrics = Metrics(self.device)
         self.trace_nonfinite = bool(trace_nonfinite)
         self.tracer, self.fp8, self.comm_hook_state = None, None, None
+        self.numerics_interval, self.adaptive = numerics_interval, None
         self.step_count, self.cycle = 0, MicroBatchCycle(self.config.grad_accum_steps)
         self._model, self._optimizer = None, None
         self._owns_group = False
@@ -272,6 +279,10 @@ class DistAMP(RunLoop):
         if self.trace_nonfinite:
             self.tracer = NonFiniteTracer(model)  # the unwrapped model: its module names
             self.scaler.attach_tracer(self.tracer)
+        self.adaptive = AdaptiveRun.build(  # the unwrapped model: its module names
+            model, precision=cfg.precision, policy=cfg.policy, scaler=self.scaler,
+            interval=self.numerics_interval, step=self.step_count,
+        )  # fmt: skip
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
         self.metrics = Metrics(self.device)
         return wrapped, optimizer
@@ -330,6 +341,8 @@ class DistAMP(RunLoop):
         opt, scaler = self.optimizer, self.scaler
         self.cycle.check_step()
         norm = None
+        if self.adaptive is not None:  # gradient underflow, read while still scaled
+            self.adaptive.before_step()
         with named_collective("step (overflow flag and norm agreement)", self.config.timeout):
             # 1. clip: unscale + overflow check + norm in one pass and the step's one
             #    collective; the clip factor is applied once (inside a fused optimizer's step)
@@ -348,6 +361,8 @@ class DistAMP(RunLoop):
         # 6. next cycle: gradients released, metrics counted
         opt.zero_grad(set_to_none=True)
         self.metrics.end_step(norm, scaler)
+        if self.adaptive is not None:  # agreed report -> the same precision changes everywhere
+            self.adaptive.after_step(scaler.last_step_skipped)
         self.cycle.reset()
         self.step_count += 1
         return result
@@ -365,7 +380,10 @@ class DistAMP(RunLoop):
     def state_dict(self) -> dict[str, Any]:
         """The small, rank-identical state: step counter, scaler, scheduler (syncs: the scaler)."""
         sched = self.scheduler.state_dict() if self.scheduler is not None else None
-        return {"step": self.step_count, "scaler": self.scaler.state_dict(), "scheduler": sched}
+        state = {"step": self.step_count, "scaler": self.scaler.state_dict(), "scheduler": sched}
+        if self.adaptive is not None:  # precision changes, replayed by load_state
+            state["adaptive"] = self.adaptive.state_dict()
+        return state
 
     def save_state(self, directory: str | Path, *, keep: int = 2) -> Path:
         """Save model, optimizer, scheduler, scaler, step counter and RNG streams atomically
@@ -406,7 +424,14 @@ class DistAMP(RunLoop):
             self.skips.restored(self.scaler.skipped_steps)  # restored skips are not new ones
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self.adaptive is not None and state.get("adaptive") is not None:
+            self.adaptive.load_state_dict(state["adaptive"])
         return True
+
+    def numerics(self) -> NumericStats | None:
+        """The numeric monitor's latest agreed report (identical on every rank; no sync), or
+        ``None`` before the first report or without a monitor."""
+        return None if self.adaptive is None else self.adaptive.latest
 
     def close(self) -> None:
         """Finish the job cleanly on every rank. Collective: call on every rank.
@@ -423,6 +448,8 @@ class DistAMP(RunLoop):
         if self.tracer is not None:
             self.tracer.remove()
             self.scaler.attach_tracer(None)
+        if self.adaptive is not None:
+            self.adaptive.close()
         self._model = self._optimizer = self.scheduler = self.tracer = None
         self.comm_hook_state = None
         if self.fp8 is not None:  # its weight scales hold the model's float8 layers

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["FlagReducer", "GroupSpec", "reduce_flags"]
+__all__ = ["FlagReducer", "GroupSpec", "Rider", "reduce_flags", "ride_along"]
 
 GroupSpec = Any  # ProcessGroup | DeviceMesh | None; torch types kept loose for older releases
 
@@ -70,7 +70,7 @@ def reduce_flags(
     extra: torch.Tensor | None = None,
     extra_op: str = "max",
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """Reduce several 0-dim float32 flags (and optionally one more number) in ONE collective.
+    """Reduce several 0-dim float32 flags (and optionally one more tensor) in ONE collective.
 
     The flags are packed into one tensor in a fixed order (the caller's), so every rank issues the
     same collective with the same shape whatever devices or dtypes its gradients had. ``extra``
@@ -89,7 +89,11 @@ def reduce_flags(
     home = flags[0].device if flags else extra.device  # type: ignore[union-attr]
     device = reducer.device_for(home)
     items = [*flags, *(() if extra is None else (extra,))]
-    packed = torch.stack([t.to(device, dtype=torch.float32, non_blocking=True) for t in items])
+    # A 1-D extra (numeric statistics riding along, see distamp.observe.numerics) is flattened
+    # into the same pack: still one collective.
+    packed = torch.cat(
+        [t.to(device, dtype=torch.float32, non_blocking=True).reshape(-1) for t in items]
+    )
     if extra is not None and extra_op == "sum":
         reducer.all_reduce_(packed, dist.ReduceOp.SUM)
         agreed = (packed[: len(flags)] > 0).float()
@@ -97,4 +101,42 @@ def reduce_flags(
         reducer.all_reduce_max_(packed)
         agreed = packed[: len(flags)]
     out = [agreed[i].to(f.device, non_blocking=True) for i, f in enumerate(flags)]
-    return out, (None if extra is None else packed[-1].to(extra.device, non_blocking=True))
+    if extra is None:
+        return out, None
+    rest = packed[len(flags) :].reshape(extra.shape)
+    return out, rest.to(extra.device, non_blocking=True)
+
+
+class Rider(Protocol):
+    """Statistics that travel in the step's one flag collective instead of a collective of
+    their own (:class:`distamp.observe.numerics.NumericMonitor`)."""
+
+    def payload(self) -> torch.Tensor | None:
+        """This step's local 1-D float32 statistics, or ``None`` (nothing due, or already sent)."""
+
+    def deliver(self, reduced: torch.Tensor, op: str, ranks: int) -> None:
+        """The payload reduced with ``op`` ("max" or "sum") over ``ranks`` ranks."""
+
+
+def ride_along(
+    rider: Rider | None, extra: torch.Tensor | None, extra_op: str
+) -> tuple[torch.Tensor | None, str, Any]:
+    """Append ``rider``'s payload to the step's ``extra`` (a 0-dim norm term or ``None``).
+
+    Returns the combined extra, its op, and a function that takes the reduced combined extra,
+    hands the rider its part, and returns the caller's part (``None`` when it had none).
+    """
+    payload = rider.payload() if rider is not None else None
+    if payload is None or rider is None:
+        return extra, extra_op, lambda reduced, _ranks: reduced
+    head = 0 if extra is None else 1
+    parts = [payload] if extra is None else [extra.reshape(1).to(payload.device), payload]
+    combined = torch.cat(parts)
+
+    def split(reduced: torch.Tensor | None, ranks: int) -> torch.Tensor | None:
+        if reduced is None:  # nothing to agree with: the local numbers are the job's
+            reduced = combined
+        rider.deliver(reduced[head:], extra_op, ranks)
+        return None if extra is None else reduced[0].reshape(extra.shape)
+
+    return combined, extra_op, split

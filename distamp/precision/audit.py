@@ -77,6 +77,7 @@ class AuditReport:
     records: list[ModuleRecord]
     issues: list[str]
     fp8: list[LinearChoice] = field(default_factory=list)
+    adaptive: list[str] = field(default_factory=list)  # an adaptive policy's changes, in order
 
     def table(self) -> str:
         """A plain-text table, one row per module, then the issues."""
@@ -101,6 +102,9 @@ class AuditReport:
             runs = sum(c.fp8 for c in self.fp8)
             lines.append(f"fp8: {runs} of {len(self.fp8)} Linear layers run in float8")
             lines += [f"  {c}" for c in self.fp8]
+        if self.adaptive:
+            lines.append(f"adaptive precision: {len(self.adaptive)} change(s)")
+            lines += [f"  {c}" for c in self.adaptive]
         lines += [f"! {issue}" for issue in self.issues] or ["no precision issues found"]
         return "\n".join(lines)
 
@@ -228,8 +232,12 @@ def audit(
     with torch.no_grad(), _recording(model, records), ctx:
         model(*example_inputs)
     fp8 = plan_linears(model, policy or AutocastPolicy(prec)) if prec.float8_linears else []
+    changes = [] if policy is None or policy.adaptive is None else policy.adaptive.changes
     return AuditReport(
-        records, _issues(model, records, prec.needs_scaler or _enabled(scaler)), fp8=fp8
+        records,
+        _issues(model, records, prec.needs_scaler or _enabled(scaler)),
+        fp8=fp8,
+        adaptive=[str(c) for c in changes],
     )
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from distamp.precision.adaptive import AdaptivePrecision, AdaptiveRules
 from distamp.precision.fp8_select import Float8Settings
 
 __all__ = [
@@ -282,6 +283,9 @@ class AutocastPolicy:
         fp8_exclude: fp8 only: name patterns of Linear layers kept in bf16 (e.g. ``"head"``).
         fp8_all_gather: fp8 only: under FSDP2/HSDP, all-gather the fp8 layers' weights in
             float8 (default True; tensorwise recipe only).
+        adaptive: ``True`` or an :class:`~distamp.precision.adaptive.AdaptiveRules`: modules
+            are promoted to fp32 when the agreed numbers say so (see
+            :mod:`distamp.precision.adaptive`; driven by :class:`~distamp.DistAMP`).
 
         With ``"fp8"``, the Linear layers outside the fp32 modules that pass the fp8 rules run
         in float8 and everything else as under ``"bf16"`` (see :mod:`distamp.precision.fp8`); the
@@ -305,8 +309,10 @@ class AutocastPolicy:
         fp8_min_features: int | None = None,
         fp8_exclude: Iterable[str] = (),
         fp8_all_gather: bool | None = None,
+        adaptive: bool | AdaptiveRules = False,
     ) -> None:
         self.precision = parse_precision(precision)
+        self.adaptive = AdaptivePrecision.from_arg(adaptive, self.precision.name)
         fp8_options = {
             "recipe": recipe,
             "fp8_min_features": fp8_min_features,

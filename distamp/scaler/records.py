@@ -134,6 +134,8 @@ class StepAgreement:
         self.records = StepRecords(self)
         self.home: torch.device | None = None
         self.collectives_issued = 0  # how many found_inf collectives were issued
+        # Statistics riding the step's one collective (the numeric monitor), or None.
+        self.rider: reduction.Rider | None = None
 
     def record(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
         """The optimizer's record for this iteration (created READY on first use)."""
@@ -183,8 +185,9 @@ class StepAgreement:
         return self.topology.copies(param)
 
     def reducer_for(self, records: Iterable[OptimizerStep]) -> reduction.FlagReducer:
-        """The job's agreement group; a no-op when DDP already synchronised every optimizer."""
-        if all(r.ddp_covered for r in records):
+        """The job's agreement group; a no-op when DDP already synchronised every optimizer
+        (unless a rider's statistics must be agreed: DDP spreads infs, not statistics)."""
+        if self.rider is None and all(r.ddp_covered for r in records):
             return reduction.FlagReducer((), None)
         return self.topology.agreement
 
@@ -205,9 +208,11 @@ class StepAgreement:
         home = self.home
         if home is None:  # no scale yet (a disabled scaler never creates one)
             home = extra.device if extra is not None else torch.device("cpu")
+        extra, extra_op, split = reduction.ride_along(self.rider, extra, extra_op)
         if not reducer.is_noop:
             self.collectives_issued += len(reducer.groups)
-        return agree_pending(pending, reducer, home, extra, extra_op)
+        agreed = agree_pending(pending, reducer, home, extra, extra_op)
+        return split(agreed, reducer.size)  # type: ignore[no-any-return]
 
     def discard(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget the optimizer's record (a disabled scaler keeps no per-step state)."""

@@ -17,6 +17,7 @@ from distamp.observe.diagnostics import (
     OverflowReport,
     build_report,
 )
+from distamp.parallel import reduction
 from distamp.scaler.config import validate_state_dict
 from distamp.scaler.records import StepAgreement
 from distamp.scaler.scale_state import ScaleState
@@ -79,6 +80,12 @@ class ScalerReporting(torch.amp.GradScaler):
         kept
         for skipped steps and appears in :meth:`overflow_report`. ``None`` detaches."""
         self._tracer = tracer
+
+    def attach_rider(self, rider: reduction.Rider | None) -> None:
+        """Let ``rider``'s statistics (:class:`~distamp.observe.numerics.NumericMonitor`) travel
+        in each step's one flag collective, over the agreement group even where a registered DDP
+        module would have made that collective unnecessary. ``None`` detaches."""
+        self._steps.rider = rider
 
     def overflow_report(self) -> OverflowReport | None:
         """Which parameters (and modules, ranks, inf or NaN) overflowed at the last skipped step.

@@ -1,0 +1,303 @@
+"""Numeric monitor: where a mixed-precision run is about to leave its format's range.
+
+Per watched module (by default every module that holds parameters of its own) it measures:
+
+- **overflow**: whether the module's forward output went non-finite, so that a skipped step
+  names the *first* module (in completion order: an inner module that produced the inf finishes
+  before the parents that merely passed it on) whose output broke;
+- **headroom**: the largest ``|output|`` since the last report over the format's maximum
+  (fp16 65504, bf16 3.4e38, float8 e4m3 448); 1.0 or more means it overflowed;
+- **underflow**: per parameter, the fraction of its scaled low-precision gradient elements that
+  are zero or subnormal in the compute format (``|g| < finfo(compute_dtype).tiny``), measured
+  before unscaling.
+
+Cost model. Each watched module's forward costs one ``amax`` reduction of its output and one
+tiny in-place maximum, every step (the skip attribution must exist for any step, and which
+step skips is only known after the fact). The statistics never get a collective of their own:
+they ride in the step's one flag collective (:meth:`payload`, through the scaler's
+``attach_rider``): one float per watched module every step, plus the headroom and underflow
+vectors at reporting steps (every ``interval`` steps). One host read per reporting step.
+Agreed numbers: non-finite flags are exact; headroom and underflow are the ranks' maximum, or
+their mean when a clipping norm shares the collective (it is SUM-reduced then).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FORMAT_MAX", "NumericMonitor", "NumericStats"]
+
+FORMAT_MAX: dict[str, float] = {
+    "fp16": 65504.0,
+    "bf16": float(torch.finfo(torch.bfloat16).max),
+    "fp8_e4m3": 448.0,
+    "fp8_e5m2": 57344.0,
+}
+"""Largest finite value of each compute format: the denominator of headroom."""
+
+
+@dataclass(frozen=True)
+class NumericStats:
+    """One agreed report of the monitor (identical on every rank).
+
+    Attributes:
+        step: the optimizer step (count of steps completed) the report closes.
+        headroom: module name -> max ``|output|`` since the previous report / the format's
+            maximum (``inf`` when the output went non-finite).
+        underflow: parameter name -> fraction of its gradient elements that are zero or
+            subnormal in the compute format, at this reporting step.
+        skips: ``(step, module)`` for each skipped step since the previous report; ``module``
+            is the first watched module whose forward output went non-finite on any rank, or
+            ``None`` when the forward was finite (a gradient-only overflow).
+    """
+
+    step: int
+    headroom: dict[str, float] = field(default_factory=dict)
+    underflow: dict[str, float] = field(default_factory=dict)
+    skips: tuple[tuple[int, str | None], ...] = ()
+
+    @property
+    def first_nonfinite(self) -> str | None:
+        """The module blamed for the last skipped step of the report, if any."""
+        return self.skips[-1][1] if self.skips else None
+
+    def as_metrics(self) -> dict[str, float]:
+        """Flat ``name -> number`` for the metrics writers (JSONL, TensorBoard)."""
+        out: dict[str, float] = {"numerics/skips": float(len(self.skips))}
+        out.update({f"numerics/headroom/{k}": v for k, v in self.headroom.items()})
+        out.update({f"numerics/underflow/{k}": v for k, v in self.underflow.items()})
+        return out
+
+
+def _floats(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.numel():
+            yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _floats(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _floats(v)
+
+
+def _format_of(module: nn.Module, compute: str) -> str:
+    """The format a module computes in: float8 layers (torchao, any class in the MRO named
+    Float8*) use e4m3; others the policy's compute format."""
+    if any(c.__name__.startswith("Float8") for c in type(module).__mro__):
+        return "fp8_e4m3"
+    return compute
+
+
+class NumericMonitor:
+    """Forward hooks and gradient reads that feed :class:`NumericStats`, agreed across ranks.
+
+    Drive it as the engine does: attach to the scaler (``scaler.attach_rider(monitor)``), call
+    :meth:`before_step` with the scale before unscaling, and :meth:`end_step` with the agreed
+    skip flag after ``update()``; it returns the :class:`NumericStats` at reporting steps.
+
+    Args:
+        model: the unwrapped model (its module and parameter names are the report's).
+        compute_dtype: the low-precision dtype (``torch.float16`` or ``torch.bfloat16``).
+        interval: steps between reports (headroom and underflow are reduced then); >= 1.
+        watch: module name patterns (``fnmatch``) to watch; default: every module with
+            parameters of its own.
+        step: the step count to start from (a resumed run).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        compute_dtype: torch.dtype,
+        interval: int = 10,
+        watch: Iterable[str] | None = None,
+        step: int = 0,
+    ) -> None:
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ValueError(f"interval={interval!r}: give a whole number of steps >= 1")
+        if compute_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"compute_dtype={compute_dtype!r}: the monitor watches fp16 or bf16 training"
+            )
+        patterns = None if watch is None else tuple(watch)
+        compute = "fp16" if compute_dtype == torch.float16 else "bf16"
+        self.interval, self.step = interval, step
+        self.tiny = float(torch.finfo(compute_dtype).tiny)
+        self.modules: list[tuple[str, nn.Module]] = [
+            (name, m)
+            for name, m in model.named_modules()
+            if (
+                any(fnmatch.fnmatchcase(name, p) for p in patterns)
+                if patterns is not None
+                else any(True for _ in m.parameters(recurse=False))
+            )
+        ]
+        self.names = [name for name, _ in self.modules]
+        self._fmax = torch.tensor([FORMAT_MAX[_format_of(m, compute)] for _, m in self.modules])
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._step_amax: torch.Tensor | None = None  # [M] this step's max |output|
+        self._window_amax: torch.Tensor | None = None  # [M] since the last report
+        self._order: list[int] = []  # module indices in forward completion order
+        self._seen: set[int] = set()
+        self._underflow: torch.Tensor | None = None  # [P] at a reporting step
+        self._agreed_bad: torch.Tensor | None = None  # [M] agreed non-finite flags
+        self._agreed_stats: torch.Tensor | None = None  # [M + P] agreed headroom, underflow
+        self._firsts: list[torch.Tensor] = []  # per step of the window: blamed module or -1
+        self._sent = False
+        self.latest: NumericStats | None = None
+        self._handles = [
+            mod.register_forward_hook(self._hook(i)) for i, (_, mod) in enumerate(self.modules)
+        ]
+
+    # ------------------------------------------------------------------ forward
+    def _hook(self, index: int) -> Any:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            for t in _floats(output):
+                amax = t.detach().abs().amax().float()
+                if self._step_amax is None:
+                    self._step_amax = torch.zeros(len(self.modules), device=amax.device)
+                    self._window_amax = torch.zeros_like(self._step_amax)
+                if index not in self._seen:
+                    self._seen.add(index)
+                    self._order.append(index)
+                # maximum() propagates NaN, so a NaN output stays non-finite
+                self._step_amax[index] = torch.maximum(self._step_amax[index], amax)
+
+        return hook
+
+    @property
+    def due(self) -> bool:
+        """Whether the step in progress closes a report (every ``interval`` steps)."""
+        return (self.step + 1) % self.interval == 0
+
+    # ------------------------------------------------------------------ the step
+    def before_step(self) -> None:
+        """At a reporting step, before unscaling: the underflow fraction of each parameter's
+        gradient, read while it still holds the scaled values. One read per gradient, only at
+        reporting steps; no host sync."""
+        if not self.due or not self.params:
+            return
+        fractions = []
+        for _, p in self.params:
+            g = p.grad
+            if g is None:
+                fractions.append(torch.zeros((), device=self._device()))
+                continue
+            local = g.to_local() if hasattr(g, "to_local") else g
+            n = max(local.numel(), 1)
+            low = (local.detach().abs() < self.tiny).sum(dtype=torch.float32) / n
+            fractions.append(low.to(self._device()))
+        self._underflow = torch.stack(fractions)
+
+    def _device(self) -> torch.device:
+        if self._step_amax is not None:
+            return self._step_amax.device
+        return self.params[0][1].device if self.params else torch.device("cpu")
+
+    def payload(self) -> torch.Tensor | None:
+        """The scaler's rider protocol: this step's local statistics, once per step."""
+        if self._sent or self._step_amax is None:
+            return None
+        self._sent = True
+        bad = (~torch.isfinite(self._step_amax)).float()
+        if not self.due:
+            return bad
+        assert self._window_amax is not None
+        amax = torch.nan_to_num(
+            torch.maximum(self._window_amax, self._step_amax), nan=float("inf"), posinf=float("inf")
+        )
+        under = self._underflow
+        if under is None:
+            under = torch.zeros(len(self.params), device=bad.device)
+        return torch.cat([bad, amax, under.to(bad.device)])
+
+    def deliver(self, reduced: torch.Tensor, op: str, ranks: int) -> None:
+        """The scaler's rider protocol: the payload, reduced over the agreeing ranks."""
+        m = len(self.modules)
+        self._agreed_bad = reduced[:m] > 0
+        if reduced.numel() > m:
+            stats = reduced[m:].clone()
+            if op == "sum" and ranks > 1:
+                stats = stats / ranks
+            self._agreed_stats = stats
+
+    def _first_bad(self) -> torch.Tensor:
+        """On device: the index of the first agreed non-finite module, in completion order."""
+        assert self._agreed_bad is not None
+        order = self._order + [i for i in range(len(self.modules)) if i not in self._order]
+        perm = torch.tensor(order, device=self._agreed_bad.device)
+        bad = self._agreed_bad[perm]
+        return torch.where(bad.any(), perm[bad.to(torch.int8).argmax()], -1)
+
+    def end_step(self, skipped: torch.Tensor) -> NumericStats | None:
+        """After ``update()``: record which module the (agreed) skip is blamed on, and at a
+        reporting step read the agreed statistics (one host sync) and return them."""
+        due = self.due
+        if self._step_amax is not None:
+            if not self._sent or self._agreed_bad is None:
+                # no collective ran this step (nothing to agree with): the local numbers rule
+                payload = self.payload() if not self._sent else None
+                if payload is not None:
+                    self.deliver(payload, "max", 1)
+            first = self._first_bad()
+            # -2: not skipped; -1: skipped with a finite forward; else the blamed module
+            self._firsts.append(torch.where(skipped.to(first.device), first, -2))
+            assert self._window_amax is not None
+            torch.maximum(self._window_amax, self._step_amax, out=self._window_amax)
+            self._step_amax.zero_()
+        self.step += 1
+        self._sent, self._agreed_bad = False, None
+        if not due:
+            return None
+        return self._report()
+
+    def _report(self) -> NumericStats:
+        m, start = len(self.modules), self.step - len(self._firsts)
+        firsts = torch.stack(self._firsts).tolist() if self._firsts else []  # host sync
+        skips = tuple(
+            (start + k + 1, None if i < 0 else self.names[i])
+            for k, i in enumerate(firsts)
+            if i != -2
+        )
+        headroom: dict[str, float] = {}
+        underflow: dict[str, float] = {}
+        if self._agreed_stats is not None:
+            values = self._agreed_stats.tolist()  # host sync, reporting steps only
+            fmax = self._fmax.tolist()
+            headroom = {n: values[i] / fmax[i] for i, n in enumerate(self.names)}
+            underflow = {n: values[m + j] for j, (n, _) in enumerate(self.params)}
+        self.latest = NumericStats(self.step, headroom, underflow, skips)
+        self._firsts, self._agreed_stats, self._underflow = [], None, None
+        if self._window_amax is not None:
+            self._window_amax.zero_()
+        return self.latest
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to report the same numbers: the step and the partial
+        window (host sync)."""
+        return {
+            "step": self.step,
+            "firsts": [int(t) for t in self._firsts],
+            "window_amax": None if self._window_amax is None else self._window_amax.tolist(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self._firsts = [torch.tensor(i) for i in state["firsts"]]
+        if state["window_amax"] is not None:
+            self._window_amax = torch.tensor(state["window_amax"], device=self._device())
+            self._step_amax = torch.zeros_like(self._window_amax)
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []

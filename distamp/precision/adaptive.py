@@ -1,0 +1,343 @@
+"""Adaptive precision: modules move to a wider format when the numbers say they must.
+
+A static policy fixes its fp32 islands before training. Here the islands follow the agreed
+statistics of :class:`distamp.observe.numerics.NumericMonitor`:
+
+- a module blamed for ``skips`` of the last ``window`` skipped steps (its forward output was the
+  first to go non-finite), or whose headroom (max ``|output|`` / format max) stays above
+  ``headroom_limit`` for ``patience`` reports in a row, is **promoted**: fp16/bf16 -> fp32
+  (autocast off inside it, inputs cast to fp32);
+- optionally (``demote=True``) a promoted module whose headroom stays under ``demote_below`` for
+  ``calm_reports`` reports with no skip blamed on it goes back; a module promoted a second time
+  stays promoted for good (hysteresis: it cannot oscillate);
+- promotions stop at ``max_promoted_fraction`` of the model's parameters, with a warning.
+
+Decisions run only on reports, which are identical on every rank (their numbers rode the
+step's one flag collective), so every rank changes the same modules at the same step. Every
+change is a :class:`PrecisionChange` (step, module, from -> to, reason), kept in the engine's
+checkpoint and replayed on resume.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from distamp.observe.numerics import NumericStats
+
+__all__ = ["AdaptivePrecision", "AdaptiveRules", "PrecisionChange"]
+
+_ADAPTABLE = ("fp16", "bf16")
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _whole(name: str, value: Any, least: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"AdaptiveRules.{name}={value!r}: give a whole number >= {least}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptiveRules:
+    """Settings of adaptive precision (``AutocastPolicy(..., adaptive=AdaptiveRules(...))``).
+
+    Attributes:
+        interval: steps between the monitor's reports, where the rules run (default 10).
+        window: W, how many of the most recent skipped steps are considered (default 8).
+        skips: K, promote a module blamed for this many of them (default 2).
+        headroom_limit: promote a module whose headroom exceeds this (default 0.5: within 2x
+            of the format's maximum) ...
+        patience: ... on this many reports in a row (default 2).
+        demote: allow demotion back to the low-precision format (default False).
+        demote_below: headroom under which a promoted module is calm (default 0.05); must be
+            below ``headroom_limit`` (the gap is the hysteresis).
+        calm_reports: calm reports in a row before demotion (default 10).
+        max_promoted_fraction: the most of the model's parameters that may be promoted, in
+            (0, 1] (default 0.25).
+        watch: module name patterns to watch; ``None``: every module with parameters.
+    """
+
+    interval: int = 10
+    window: int = 8
+    skips: int = 2
+    headroom_limit: float = 0.5
+    patience: int = 2
+    demote: bool = False
+    demote_below: float = 0.05
+    calm_reports: int = 10
+    max_promoted_fraction: float = 0.25
+    watch: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _whole("interval", self.interval, 1)
+        _whole("window", self.window, 1)
+        _whole("skips", self.skips, 1)
+        _whole("patience", self.patience, 1)
+        _whole("calm_reports", self.calm_reports, 1)
+        if self.skips > self.window:
+            raise ValueError(
+                f"AdaptiveRules.skips={self.skips} > window={self.window}: a module cannot "
+                "cause more skips than the window holds; lower skips or widen the window"
+            )
+        if not 0.0 < float(self.max_promoted_fraction) <= 1.0:
+            raise ValueError(
+                f"AdaptiveRules.max_promoted_fraction={self.max_promoted_fraction!r}: give a "
+                "fraction in (0, 1]"
+            )
+        if not float(self.headroom_limit) > 0.0:
+            raise ValueError(
+                f"AdaptiveRules.headroom_limit={self.headroom_limit!r}: give a positive number"
+            )
+        if not 0.0 <= float(self.demote_below) < float(self.headroom_limit):
+            raise ValueError(
+                f"AdaptiveRules.demote_below={self.demote_below!r}: must be >= 0 and below "
+                f"headroom_limit={self.headroom_limit!r}, or a module could oscillate"
+            )
+        if isinstance(self.watch, str):
+            raise ValueError(f"AdaptiveRules.watch={self.watch!r}: give a tuple of patterns")
+
+
+@dataclass(frozen=True)
+class PrecisionChange:
+    """One decision: at optimizer ``step``, ``module`` went ``before`` -> ``after``."""
+
+    step: int
+    module: str
+    before: str
+    after: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"step {self.step}: {self.module} {self.before} -> {self.after} ({self.reason})"
+
+
+def _cast_fp32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in _LOW else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_fp32(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_fp32(v) for k, v in value.items()}
+    return value
+
+
+def _autocast_on(device_types: tuple[str, ...]) -> Iterator[str]:
+    for kind in device_types:
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+            yield kind
+
+
+class _Upcast(TorchFunctionMode):
+    """Inside a promoted module: every op's low-precision floating arguments cast to fp32.
+
+    Casting the module's inputs is not enough where its parameters themselves arrive in the
+    compute dtype (FSDP2 gathers them so): ``F.linear(fp32, fp16)`` refuses mixed dtypes once
+    autocast is off. The cast is differentiable, so gradients still reach the parameters."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return func(*_cast_fp32(args), **_cast_fp32(kwargs or {}))
+
+
+def _island(module: nn.Module) -> list[RemovableHandle]:
+    """Hooks that run ``module`` with autocast off and every low-precision operand cast to fp32:
+    the promotion. A stack per module keeps re-entrant calls right; the post hook always runs."""
+    stack: list[ExitStack] = []
+
+    def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ctx = ExitStack()
+        kinds = list(_autocast_on(("cpu", "cuda")))
+        for kind in kinds:
+            ctx.enter_context(torch.autocast(kind, enabled=False))
+        if kinds:
+            ctx.enter_context(_Upcast())
+        stack.append(ctx)
+        return (_cast_fp32(args), _cast_fp32(kwargs)) if kinds else None
+
+    def post(_m: nn.Module, _args: Any, _out: Any) -> None:
+        if stack:
+            stack.pop().close()
+
+    return [
+        module.register_forward_pre_hook(pre, with_kwargs=True),
+        module.register_forward_hook(post, always_call=True),
+    ]
+
+
+class AdaptivePrecision:
+    """The adaptive half of an :class:`~distamp.AutocastPolicy`: rules, decisions and the log.
+
+    Args:
+        rules: the settings.
+        precision: the policy's precision name; only "fp16" and "bf16" adapt.
+
+    Raises:
+        ValueError: another precision (fp32 has nothing to promote; fp8 is not adapted yet).
+    """
+
+    def __init__(self, rules: AdaptiveRules, precision: str) -> None:
+        if precision not in _ADAPTABLE:
+            raise ValueError(
+                f"adaptive=True with precision={precision!r}: adaptive precision promotes "
+                "fp16/bf16 modules to fp32; use precision 'fp16' or 'bf16', or adaptive=False"
+            )
+        self.rules, self.low = rules, precision
+        self.changes: list[PrecisionChange] = []
+        self._history: deque[str | None] = deque(maxlen=rules.window)
+        self._hot: dict[str, int] = {}  # module -> reports in a row above the headroom limit
+        self._calm: dict[str, int] = {}  # promoted module -> calm reports in a row
+        self._pinned: set[str] = set()  # promoted twice: never demoted again
+        self._refused: set[str] = set()  # over the cap: warned once
+        self._handles: dict[str, list[RemovableHandle]] = {}
+        self._modules: dict[str, nn.Module] = {}
+        self._numel: dict[str, int] = {}
+        self._total = 1
+        self._fixed: set[str] = set()
+
+    @classmethod
+    def from_arg(cls, adaptive: bool | AdaptiveRules, precision: str) -> AdaptivePrecision | None:
+        """``AutocastPolicy(adaptive=...)``: False -> None, True -> default rules."""
+        if adaptive is False:
+            return None
+        if adaptive is True:
+            return cls(AdaptiveRules(), precision)
+        if isinstance(adaptive, AdaptiveRules):
+            return cls(adaptive, precision)
+        raise ValueError(
+            f"adaptive={adaptive!r}: pass True, False or an AdaptiveRules(...) instance"
+        )
+
+    @property
+    def promoted(self) -> tuple[str, ...]:
+        """The modules running in fp32 now because of a decision, in promotion order."""
+        return tuple(self._handles)
+
+    def bind(self, model: nn.Module, fixed: tuple[str, ...] = ()) -> None:
+        """Know ``model``'s modules (names as in ``named_modules``); ``fixed`` are the policy's
+        own fp32 modules, never changed."""
+        self._modules = dict(model.named_modules())
+        self._numel = {n: sum(p.numel() for p in m.parameters()) for n, m in self._modules.items()}
+        self._total = max(1, sum(p.numel() for p in model.parameters()))
+        self._fixed = set(fixed)
+
+    # ------------------------------------------------------------------ decisions
+    def decide(self, stats: NumericStats) -> list[PrecisionChange]:
+        """Apply the rules to one agreed report; returns (and logs) the changes made."""
+        made: list[PrecisionChange] = []
+        blamed_now = set()
+        for step, module in stats.skips:
+            del step
+            self._history.append(module)
+            if module is None or module in self._handles:
+                continue
+            blamed_now.add(module)
+            count = sum(1 for m in self._history if m == module)
+            if count >= self.rules.skips:
+                reason = f"caused {count} of the last {len(self._history)} skipped steps"
+                if self._promote(stats.step, module, reason, made):
+                    self._history = deque(
+                        (m for m in self._history if m != module), maxlen=self.rules.window
+                    )
+        for module, headroom in stats.headroom.items():
+            if module in self._handles:
+                self._calm_check(stats.step, module, headroom, module in blamed_now, made)
+                continue
+            # a non-finite output is the skip rule's business (downstream modules inherit it)
+            hot = math.isfinite(headroom) and headroom > self.rules.headroom_limit
+            streak = self._hot.get(module, 0) + 1 if hot else 0
+            self._hot[module] = streak
+            if streak >= self.rules.patience:
+                reason = (
+                    f"headroom {headroom:.3g} > {self.rules.headroom_limit} for {streak} reports"
+                )
+                if self._promote(stats.step, module, reason, made):
+                    self._hot[module] = 0
+        return made
+
+    def _calm_check(
+        self, step: int, module: str, headroom: float, blamed: bool, made: list[PrecisionChange]
+    ) -> None:
+        if not self.rules.demote or module in self._pinned:
+            return
+        calm = self._calm.get(module, 0) + 1 if headroom < self.rules.demote_below else 0
+        self._calm[module] = 0 if blamed else calm
+        if self._calm[module] >= self.rules.calm_reports:
+            reason = f"headroom < {self.rules.demote_below} for {calm} reports"
+            self._change(PrecisionChange(step, module, "fp32", self.low, reason), made)
+
+    def _promote(self, step: int, module: str, reason: str, made: list[PrecisionChange]) -> bool:
+        if module in self._fixed or module not in self._modules:
+            return False
+        share = sum(self._numel[m] for m in self._handles) + self._numel.get(module, 0)
+        if share / self._total > self.rules.max_promoted_fraction:
+            if module not in self._refused:
+                self._refused.add(module)
+                warnings.warn(
+                    f"adaptive precision: not promoting {module!r} ({reason}): it would put "
+                    f"{share / self._total:.1%} of the parameters in fp32, over "
+                    f"max_promoted_fraction={self.rules.max_promoted_fraction}; raise the cap "
+                    "or add the module to fp32_modules",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return False
+        if any(c.module == module and c.after == self.low for c in self.changes):
+            self._pinned.add(module)  # promoted again after a demotion: stays
+        self._change(PrecisionChange(step, module, self.low, "fp32", reason), made)
+        return True
+
+    def _change(self, change: PrecisionChange, made: list[PrecisionChange]) -> None:
+        if change.after == "fp32":
+            self._handles[change.module] = _island(self._modules[change.module])
+            self._calm[change.module] = 0
+        else:
+            for h in self._handles.pop(change.module, []):
+                h.remove()
+        self.changes.append(change)
+        made.append(change)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The change log and the rules' running counts (plain Python: rank-identical)."""
+        return {
+            "changes": [asdict(c) for c in self.changes],
+            "history": list(self._history),
+            "hot": dict(self._hot),
+            "calm": dict(self._calm),
+            "pinned": sorted(self._pinned),
+            "refused": sorted(self._refused),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replay the saved changes on the bound model (promotions re-applied in order) and
+        restore the counts, so a resumed run decides exactly as an uninterrupted one."""
+        for handles in self._handles.values():
+            for h in handles:
+                h.remove()
+        self._handles, self.changes = {}, []
+        for entry in state["changes"]:
+            self._change(PrecisionChange(**entry), [])
+        self._history = deque(state["history"], maxlen=self.rules.window)
+        self._hot, self._calm = dict(state["hot"]), dict(state["calm"])
+        self._pinned, self._refused = set(state["pinned"]), set(state["refused"])
+
+    def remove(self) -> None:
+        """Take every promotion's hooks off (the log stays)."""
+        for handles in self._handles.values():
+            for h in handles:
+                h.remove()
+        self._handles = {}

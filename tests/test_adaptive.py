@@ -1,0 +1,295 @@
+"""Numeric monitor and adaptive precision: a module whose fp16 output overflows for some inputs.
+
+Static fp16 names the module and stalls (every step skipped); an adaptive policy promotes it to
+fp32 at the same step on every rank and ends within 1% of the fp32 run. Real engines, real gloo
+process groups; fp16 autocast runs on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist import run_ranks
+from torch import nn
+
+import distamp
+from distamp import AutocastPolicy
+from distamp.observe.numerics import NumericMonitor
+from distamp.precision.adaptive import AdaptiveRules
+
+D, STEPS = 16, 150
+RULES = AdaptiveRules(interval=2, skips=2, window=4, max_promoted_fraction=0.5)
+
+
+class Hot(nn.Module):
+    """A linear map normalised per row: in fp16 a large input row gives an inf pre-activation,
+    inf / inf = NaN; in fp32 the row is fine. It owns its parameters (the watched module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        fc = nn.Linear(D, 8)
+        self.weight, self.bias = fc.weight, fc.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias) * 16
+        return y / (1 + y.abs().amax(-1, keepdim=True))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hot, self.mid, self.out = Hot(), nn.Linear(8, 32), nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mid(self.hot(x))))
+
+
+_W = torch.randn(D, 1, generator=torch.Generator().manual_seed(1))
+
+
+def batch(
+    k: int, rank: int = 0, spiky: bool = True, n: int = 32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``k`` of ``rank``; ``spiky``: 4 rows scaled by 6e4, clamped to fp16's range
+    (their pre-activation overflows inside ``hot``)."""
+    g = torch.Generator().manual_seed(1000 * (rank + 1) + k)
+    x = torch.randn(n, D, generator=g)
+    if spiky:
+        x[:4] = (x[:4] * 6e4).clamp(-6e4, 6e4)  # fp16-representable inputs
+    xn = x / (1 + x.abs().amax(-1, keepdim=True))
+    y = torch.tanh(4 * xn @ _W) + 0.3 * torch.randn(n, 1, generator=g)
+    return x, y
+
+
+def make(
+    precision: str, adaptive: bool, *, strategy: str = "none", numerics: int | None = None
+) -> tuple[distamp.DistAMP, nn.Module, AutocastPolicy | None]:
+    torch.manual_seed(0)
+    net = Net()
+    policy = AutocastPolicy(precision, adaptive=RULES) if adaptive else None
+    amp = distamp.DistAMP(precision, strategy=strategy, policy=policy, numerics_interval=numerics)
+    amp.setup(
+        net,
+        lambda p: torch.optim.AdamW(p, lr=3e-2),
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / (STEPS + 1)),
+    )  # a decaying rate: both runs settle, so their final losses compare
+    return amp, net, policy
+
+
+def train(amp: distamp.DistAMP, start: int, stop: int, rank: int = 0, spiky: bool = True) -> None:
+    for k in range(start, stop):
+        x, y = batch(k, rank, spiky)
+        with amp.autocast():
+            loss = F.mse_loss(amp.model(x).float(), y)
+        amp.backward_and_step(loss)
+
+
+def eval_loss(net: nn.Module) -> float:
+    x, y = batch(99_999, spiky=False, n=4096)
+    with torch.no_grad():
+        return F.mse_loss(net(x), y).item()
+
+
+@functools.cache
+def fp32_loss() -> float:
+    amp, net, _ = make("fp32", False)
+    train(amp, 0, STEPS)
+    amp.close()
+    return eval_loss(net)
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"window": 0}, "window"),
+        ({"skips": 0}, "skips"),
+        ({"interval": 0}, "interval"),
+        ({"max_promoted_fraction": 0.0}, "max_promoted_fraction"),
+        ({"max_promoted_fraction": 1.5}, "max_promoted_fraction"),
+        ({"demote_below": 0.9}, "demote_below"),
+        ({"skips": 5, "window": 3}, "skips"),
+    ],
+)
+def test_bad_rules_name_the_field(kwargs: dict[str, float], field: str) -> None:
+    with pytest.raises(ValueError, match=f"AdaptiveRules.{field}="):
+        AdaptiveRules(**kwargs)  # type: ignore[arg-type]
+
+
+def test_adaptive_with_fp32_is_refused() -> None:
+    with pytest.raises(ValueError, match="adaptive=True with precision='fp32'"):
+        AutocastPolicy("fp32", adaptive=True)
+    with pytest.raises(ValueError, match="adaptive='yes'"):
+        AutocastPolicy("fp16", adaptive="yes")  # type: ignore[arg-type]
+
+
+def test_monitor_interval_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="interval=0"):
+        NumericMonitor(Net(), compute_dtype=torch.float16, interval=0)
+
+
+# ---------------------------------------------------------------------------- single process
+
+
+def test_static_fp16_names_the_module_and_stalls() -> None:
+    amp, net, _ = make("fp16", False, numerics=2)
+    before = eval_loss(net)
+    train(amp, 0, 20)
+    stats = amp.numerics()
+    assert amp.scaler.skipped_steps == 20  # every step skipped: the run makes no progress
+    assert eval_loss(net) == before
+    assert stats is not None and stats.step == 20
+    assert [m for _, m in stats.skips] == ["hot", "hot"]  # the last report's two skips
+    assert stats.headroom["hot"] == float("inf")
+    assert set(stats.underflow) == {n for n, _ in net.named_parameters()}
+    metrics = stats.as_metrics()
+    assert metrics["numerics/skips"] == 2.0 and "numerics/headroom/hot" in metrics
+    amp.close()
+
+
+def test_adaptive_promotes_and_matches_fp32() -> None:
+    amp, net, policy = make("fp16", True)
+    train(amp, 0, STEPS)
+    assert policy is not None and policy.adaptive is not None
+    changes = policy.adaptive.changes
+    assert [(c.step, c.module, c.before, c.after) for c in changes] == [(2, "hot", "fp16", "fp32")]
+    assert "caused 2 of the last 2 skipped steps" in changes[0].reason
+    assert amp.scaler.skipped_steps == 2
+    loss, ref = eval_loss(net), fp32_loss()
+    assert abs(loss - ref) / ref < 0.01, (loss, ref)
+    # the audit lists the change, and the promoted module computes in fp32
+    report = distamp.audit(net, batch(0)[0], policy=policy)
+    assert "step 2: hot fp16 -> fp32" in str(report)
+    assert report.record("hot").output_dtypes == ["float32"]
+    assert report.record("mid").output_dtypes == ["float16"]
+    amp.close()
+
+
+def test_cap_refuses_with_a_warning() -> None:
+    torch.manual_seed(0)
+    policy = AutocastPolicy(
+        "fp16", adaptive=AdaptiveRules(interval=2, skips=2, max_promoted_fraction=0.1)
+    )
+    amp = distamp.DistAMP("fp16", strategy="none", policy=policy)
+    amp.setup(Net(), lambda p: torch.optim.AdamW(p, lr=2e-2))
+    with pytest.warns(RuntimeWarning, match="max_promoted_fraction=0.1"):
+        train(amp, 0, 6)
+    assert policy.adaptive is not None and policy.adaptive.changes == []
+    amp.close()
+
+
+def test_save_resume_is_bitwise_equal(tmp_path: Path) -> None:
+    amp, net, policy = make("fp16", True)
+    train(amp, 0, 30)
+    ref = [p.detach().clone() for p in net.parameters()]
+    ref_changes = list(policy.adaptive.changes)  # type: ignore[union-attr]
+    amp.close()
+
+    amp, _, _ = make("fp16", True)
+    train(amp, 0, 11)  # a save in the middle of a report window (interval 2)
+    amp.save_state(tmp_path)
+    amp.close()
+    amp, net, policy = make("fp16", True)
+    assert amp.load_state(tmp_path)
+    assert policy is not None and policy.adaptive is not None
+    assert policy.adaptive.promoted == ("hot",)  # replayed before the first resumed step
+    train(amp, 11, 30)
+    assert policy.adaptive.changes == ref_changes
+    for a, b in zip(ref, net.parameters(), strict=True):
+        assert torch.equal(a, b)
+    amp.close()
+
+
+# ---------------------------------------------------------------------------- two ranks
+
+
+def _two_ranks(rank: int, world: int) -> dict[str, object]:
+    amp, net, policy = make("fp16", True, strategy="ddp")
+    train(amp, 0, 40, rank=rank, spiky=rank == 1)  # only rank 1's data overflows
+    assert policy is not None and policy.adaptive is not None
+    out = {
+        "changes": [(c.step, c.module) for c in policy.adaptive.changes],
+        # plain lists: tensors through the result queue outlive their sender's shared memory
+        "params": [p.detach().flatten().tolist() for p in net.parameters()],
+        "skipped": amp.scaler.skipped_steps,
+        "headroom": amp.numerics().headroom,  # type: ignore[union-attr]
+    }
+    amp.close()
+    return out
+
+
+def test_two_ranks_promote_together() -> None:
+    r0, r1 = run_ranks(_two_ranks, 2, timeout=240)
+    assert r0["changes"] == r1["changes"] == [(2, "hot")]
+    assert r0["skipped"] == r1["skipped"] == 2
+    assert r0["headroom"] == r1["headroom"]  # agreed numbers
+    assert r0["params"] == r1["params"]  # bitwise: fp32 values as Python floats
+
+
+def test_warnings_are_not_errors() -> None:
+    """The monitor alone (no adaptive policy) changes nothing in the run."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp, net, _ = make("fp16", False, numerics=5)
+        train(amp, 0, 5, spiky=False)
+        ref_amp, ref_net, _ = make("fp16", False)
+        train(ref_amp, 0, 5, spiky=False)
+    for a, b in zip(net.parameters(), ref_net.parameters(), strict=True):
+        assert torch.equal(a, b)
+    amp.close()
+    ref_amp.close()
+
+
+def _fsdp2(rank: int, world: int) -> dict[str, object]:
+    amp, net, policy = make("fp16", True, strategy="fsdp2")
+    train(amp, 0, 12, rank=rank, spiky=rank == 1)
+    assert policy is not None and policy.adaptive is not None
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in net.parameters()]
+    out = {
+        "changes": [(c.step, c.module) for c in policy.adaptive.changes],
+        "skipped": amp.scaler.skipped_steps,
+        "params": [p.detach().flatten().tolist() for p in params],
+    }
+    amp.close()
+    return out
+
+
+def test_fsdp2_promotes_inside_the_unit() -> None:
+    """FSDP2 gathers parameters in fp16: the promoted module upcasts them too, not re-wrapped."""
+    r0, r1 = run_ranks(_fsdp2, 2, timeout=240)
+    assert r0["changes"] == r1["changes"] == [(2, "hot")]
+    assert r0["skipped"] == r1["skipped"] == 2  # training goes on after the promotion
+    assert r0["params"] == r1["params"]
+
+
+def test_headroom_rule_demotion_and_hysteresis() -> None:
+    """The rules on hand-made agreed reports: promote on headroom, demote when calm, and a
+    module promoted a second time stays."""
+    from distamp.observe.numerics import NumericStats
+    from distamp.precision.adaptive import AdaptivePrecision
+
+    rules = AdaptiveRules(patience=2, demote=True, calm_reports=2, max_promoted_fraction=0.5)
+    adaptive = AdaptivePrecision(rules, "fp16")
+    adaptive.bind(Net())
+
+    def report(step: int, hot: float) -> list[tuple[int, str, str]]:
+        stats = NumericStats(step, headroom={"hot": hot, "mid": 0.01, "out": 0.01})
+        return [(c.step, c.before, c.after) for c in adaptive.decide(stats)]
+
+    assert report(10, 0.7) == []  # one hot report: patience is 2
+    assert report(20, 0.8) == [(20, "fp16", "fp32")]
+    assert report(30, 0.01) == [] and report(40, 0.01) == [(40, "fp32", "fp16")]
+    assert adaptive.promoted == ()
+    report(50, 0.9)
+    assert report(60, 0.9) == [(60, "fp16", "fp32")]
+    assert [report(s, 0.0) for s in (70, 80, 90)] == [[], [], []]  # pinned: never demoted
+    assert adaptive.promoted == ("hot",)
+    inf = NumericStats(100, headroom={"mid": float("inf")})
+    assert adaptive.decide(inf) == adaptive.decide(inf) == []  # the skip rule's business
