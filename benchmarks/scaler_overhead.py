@@ -125,7 +125,7 @@ def _make_scaler(name: str, model: nn.Module) -> Any:
         return ShardedGradScaler("cpu")
     scaler = DistributedGradScaler("cpu", report_overflow="no report" not in name)
     if name == "distamp (DDP registered)":
-        scaler.register_module(model)
+        scaler.register_module(model, trust_ddp_sync=True)
     return scaler
 
 

@@ -28,7 +28,7 @@ class Scenario:
     optimizer: str = "foreach"  # "foreach" | "fused" | "forloop"
     explicit_unscale: bool = False  # unscale_ + clip before step
     two_optimizers: bool = False
-    register_ddp: bool = False  # scaler.register_module(ddp_model): zero-collective mode
+    register_ddp: bool = False  # register_module(ddp_model, trust_ddp_sync=True): 0 collectives
     inject_via_hook: bool = False  # inject before DDP's all-reduce (a real overflow's path)
     hysteresis: int = 1
     scaler: str = "distamp"  # "distamp" | "torch" | "sharded": torch's scalers, for comparison
@@ -151,7 +151,7 @@ def run_scenario(rank: int, world: int, sc: Scenario) -> dict[str, Any]:
     else:
         scaler = DistributedGradScaler("cpu", hysteresis=sc.hysteresis, **kw)
     if sc.register_ddp:
-        scaler.register_module(model)
+        scaler.register_module(model, trust_ddp_sync=True)
     gen = torch.Generator().manual_seed(100 + rank)
     record: dict[str, list[Any]] = {"skipped": [], "scale": [], "params": [], "collectives": []}
     hook_value: list[float | None] = [None]

@@ -191,7 +191,7 @@ def _clip_on_ranks(rank: int, world: int, strategy: str, kind: str) -> dict[str,
         opt = _opt(kind, model.parameters())
         scaler = DistributedGradScaler("cpu", init_scale=2.0**10)
         if ours:
-            scaler.register_module(model)
+            scaler.register_module(model, trust_ddp_sync=True)
         norms, collectives = [], []
         for step, x in enumerate(xs):
             opt.zero_grad()

@@ -64,6 +64,19 @@ TORCHRUN = {
     "MASTER_PORT": "29500",
 }
 
+# What Ray Train 2.60's torch backend sets in a worker (plus Ray's own process variables).
+RAY_TRAIN = {
+    "RAY_RAYLET_PID": "5683",
+    "RAY_JOB_ID": "01000000",
+    "RANK": "3",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "NODE_RANK": "1",
+    "MASTER_ADDR": "10.0.0.5",
+    "MASTER_PORT": "51519",
+}
+
 # (id, environment, expected DistEnv fields: launcher, rank, world, local rank, local world,
 #  node rank, main address, main port)
 DETECT_CASES = [
@@ -75,6 +88,17 @@ DETECT_CASES = [
         ("torchrun", 1, 2, 1, 2, 0, "h", 1234),
     ),
     ("torchrun-inside-srun", {**SRUN, **TORCHRUN}, ("torchrun", 3, 8, 1, 2, 1, "node0", 29500)),
+    ("ray-train", RAY_TRAIN, ("ray", 3, 4, 1, 2, 1, "10.0.0.5", 51519)),
+    (  # a plain Ray task or actor has Ray's variables but no rank
+        "ray-task-without-rank",
+        {"RAY_RAYLET_PID": "5683", "RAY_JOB_ID": "01000000"},
+        ("single", 0, 1, 0, 1, 0, None, None),
+    ),
+    (  # torchrun started inside a Ray worker: torchrun describes its workers
+        "torchrun-inside-ray",
+        {**RAY_TRAIN, **TORCHRUN},
+        ("torchrun", 3, 8, 1, 2, 1, "node0", 29500),
+    ),
     ("srun", SRUN, ("slurm", 5, 8, 1, 4, 1, "gpu007", 10000 + 123456 % 20000)),
     (
         "srun-step-nodelist-first",
@@ -259,7 +283,7 @@ def test_detect_rejects(env: dict[str, str], match: str) -> None:
 
 
 def test_launchers_are_the_documented_names() -> None:
-    assert set(LAUNCHERS) == {"torchrun", "slurm", "openmpi", "mpich", "mvapich", "single"}
+    assert set(LAUNCHERS) == {"ray", "torchrun", "slurm", "openmpi", "mpich", "mvapich", "single"}
 
 
 def test_detect_is_pure() -> None:

@@ -17,6 +17,7 @@ from distamp.cluster.environments import (
     MVAPICH,
     LauncherEnvironment,
     OpenMPI,
+    RayTrain,
     Single,
     Slurm,
     TorchElastic,
@@ -27,6 +28,9 @@ __all__ = ["ENVIRONMENTS", "LAUNCHERS", "detect_environment"]
 
 # The one place that orders launchers; the first whose `detect` matches wins.
 ENVIRONMENTS: tuple[type[LauncherEnvironment], ...] = (
+    # Ray Train first: its workers carry the env:// variables torchrun's detection matches, plus
+    # Ray's own (RayTrain.detect declines when a torchrun runs inside a Ray worker).
+    RayTrain,
     # torchrun first: it also runs inside SLURM steps and MPI jobs (one agent per node), and then
     # its variables describe the workers it started while the outer launcher's describe the agents.
     TorchElastic,

@@ -56,8 +56,11 @@ class AMPConfig:
     scaler: DistributedGradScaler | None = None
     timeout: float = 300.0
     device: torch.device | None = None
+    trust_ddp_sync: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.trust_ddp_sync, bool):
+            raise ValueError(f"trust_ddp_sync={self.trust_ddp_sync!r} must be a bool")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is not one of {STRATEGIES}")
         if self.policy is not None:

@@ -103,6 +103,8 @@ class DistAMP(RunLoop):
             module output, ~4% of the main job's step on CPU).
         numerics_interval: run the numeric monitor (:mod:`distamp.observe.numerics`) with a report
             every this many steps, read by :meth:`numerics`; an adaptive policy runs it anyway.
+        trust_ddp_sync: skip the skip-flag collective when DDP's all-reduce spans the job (it
+            spread any inf); only if nothing edits one rank's gradients between backward and step.
 
     Raises:
         ValueError: a bad setting; the message names the field and echoes the value.
@@ -142,6 +144,7 @@ class DistAMP(RunLoop):
         hsdp_shard_size: int | None = None,
         mesh: Any = None,
         numerics_interval: int | None = None,
+        trust_ddp_sync: bool = False,
     ) -> None:
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
@@ -162,6 +165,7 @@ class DistAMP(RunLoop):
             scaler=scaler,
             timeout=timeout,
             device=parse_device(device),
+            trust_ddp_sync=trust_ddp_sync,
         )
         self.strategy, self.mp_owner, self.device = strategy, "none", torch.device("cpu")
         self.scaler = scaler if scaler is not None else DistributedGradScaler("cpu", enabled=False)
@@ -269,10 +273,10 @@ class DistAMP(RunLoop):
                 wrapped, strategy=self.strategy, device=self.device, reducer=self.scaler.agreement
             )
         self.skips.arm(self.scaler.min_scale)  # its "at floor" warning
-        # Names for reports; DDP: no extra collective; FSDP1: which parameters are shards;
+        # Names for reports; DDP: copies (trusted: no collective); FSDP1: which are shards;
         # a pipeline stage: how many ranks run the same stage.
         for part in stages or [wrapped]:
-            self.scaler.register_module(part)
+            self.scaler.register_module(part, trust_ddp_sync=cfg.trust_ddp_sync)
         if cfg.comm_hook is not None:
             assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
             self.comm_hook_state = register_comm_hook(wrapped, cfg.comm_hook, scaler=self.scaler)

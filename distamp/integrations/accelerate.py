@@ -98,20 +98,24 @@ class DistAMPAccelerator(Accelerator):
 
     Args:
         *args, **kwargs: passed to ``accelerate.Accelerator``.
-        scaler: the scaler to use for fp16 (e.g. ``DistributedGradScaler(sync_free=True)``).
-            ``None``: a :class:`~distamp.DistributedGradScaler` on the accelerator's device,
-            with the arguments of a ``GradScalerKwargs`` handler if one was given.
+        scaler: the scaler to use (e.g. ``DistributedGradScaler(sync_free=True)``). ``None``:
+            for fp16 a :class:`~distamp.DistributedGradScaler` on the accelerator's device, with
+            the arguments of a ``GradScalerKwargs`` handler if one was given; for bf16 and fp8
+            (torchao/Transformer Engine: bf16 compute, no loss scaling) a check-only one, so a
+            step with an inf/NaN gradient is skipped on every rank. fp8 with MS-AMP keeps
+            Accelerate's own scaler (MS-AMP's optimizer owns the scaling; not rank-agreed).
         policy: an :class:`~distamp.AutocastPolicy` (or any object with ``apply(model)`` and
             ``autocast(device_type)``): applied to each prepared model, and its autocast context
             wraps the model's forward inside Accelerate's.
         trust_ddp_sync: let the scaler skip its found_inf collective when DDP's all-reduce
             already spread any inf to every rank (see ``DistributedGradScaler.register_module``).
             Off by default: an inf written into a gradient after the all-reduce (a gradient hook,
-            a rank-local transformation) would then go unseen by the other ranks.
+            a rank-local transformation) would then go unseen by the other ranks. Same name and
+            meaning as in :class:`~distamp.DistAMP` and the Lightning plug-ins.
 
     Raises:
-        ValueError: ``scaler`` given without ``mixed_precision="fp16"``, or with DeepSpeed or
-            Megatron-LM, which own loss scaling themselves.
+        ValueError: ``scaler`` given without mixed precision, or with DeepSpeed, Megatron-LM or
+            MS-AMP, which own loss scaling themselves.
     """
 
     def __init__(
@@ -128,24 +132,28 @@ class DistAMPAccelerator(Accelerator):
         self.amp_metrics = AMPMetrics(self.device)
         self._last_grad_norm: torch.Tensor | None = None
         self._last_load_dir: str | None = None
-        fp16 = self.state.mixed_precision == "fp16"
+        mode = self.state.mixed_precision
+        fp16 = mode == "fp16"
         own_scaling = self.distributed_type in (
             DistributedType.DEEPSPEED,
             DistributedType.MEGATRON_LM,
-        )
-        if scaler is not None and (not fp16 or own_scaling):
+        ) or (mode == "fp8" and getattr(self, "scaler", None) is not None)  # MS-AMP's own
+        if scaler is not None and (mode not in ("fp16", "bf16", "fp8") or own_scaling):
             raise ValueError(
-                f"scaler={scaler!r} with mixed_precision={self.state.mixed_precision!r} and "
-                f"{self.distributed_type}: a loss scaler is used only for mixed_precision='fp16' "
-                "without DeepSpeed/Megatron-LM (they scale the loss themselves); drop `scaler`"
+                f"scaler={scaler!r} with mixed_precision={mode!r} and {self.distributed_type}: "
+                "a distamp scaler is used for 'fp16' (loss scaling) and 'bf16'/'fp8' (check-only) "
+                "without DeepSpeed/Megatron-LM/MS-AMP (they scale the loss themselves); drop it"
             )
-        if fp16 and not own_scaling:
-            if scaler is None:
+        if mode in ("fp16", "bf16", "fp8") and not own_scaling:
+            if scaler is None and fp16:
                 handler = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
                 scaler = DistributedGradScaler(device=self.device.type, **handler)
+            elif scaler is None:  # bf16/fp8 need no scaling: check-only, so NaN skips everywhere
+                scaler = DistributedGradScaler(device=self.device.type, check_only=True)
             # Accelerate leaves `native_amp` off for fp16 on CPU (so no autocast, no scaler);
             # CPU autocast supports fp16 since torch 2.3, so turn it on with the scaler.
-            self.native_amp = True
+            if fp16:
+                self.native_amp = True
             self.scaler = scaler
         self.register_load_state_pre_hook(self._remember_load_dir)
 
@@ -175,9 +183,8 @@ class DistAMPAccelerator(Accelerator):
             model, device_placement=device_placement, evaluation_mode=evaluation_mode
         )
         if isinstance(self.scaler, DistributedGradScaler) and not evaluation_mode:
-            ddp = isinstance(prepared, torch.nn.parallel.DistributedDataParallel)
-            if self.trust_ddp_sync or not ddp:  # names; FSDP1 shards for clipping
-                self.scaler.register_module(prepared)
+            # names; DDP/FSDP1 copies for clipping; DDP's all-reduce relied on only if trusted
+            self.scaler.register_module(prepared, trust_ddp_sync=self.trust_ddp_sync)
         return prepared
 
     def prepare_optimizer(

@@ -88,6 +88,9 @@ class DistAMPPrecision(MixedPrecision):
         policy: an :class:`~distamp.AutocastPolicy` (or any object with ``apply(model)`` and
             ``autocast(device_type)``): applied in ``convert_module`` and used as the forward
             context instead of bare autocast.
+        trust_ddp_sync: as in :class:`~distamp.DistAMP`: ``True`` lets the scaler skip its flag
+            collective under DDP (the DDP module is registered at the first backward); off by
+            default, so a gradient changed on one rank after the all-reduce is still agreed on.
 
     Raises:
         ValueError: a precision other than fp16/bf16 (fp8 included), or a scaler with bf16.
@@ -99,6 +102,8 @@ class DistAMPPrecision(MixedPrecision):
         device: str | None = None,
         scaler: DistributedGradScaler | None = None,
         policy: Any = None,
+        *,
+        trust_ddp_sync: bool = False,
     ) -> None:
         parsed = parse_precision(precision)
         if parsed.compute_dtype is None:
@@ -119,6 +124,8 @@ class DistAMPPrecision(MixedPrecision):
         )
         super().__init__(name, device, scaler)  # raises for a scaler with bf16
         self.policy = policy
+        self.trust_ddp_sync = bool(trust_ddp_sync)
+        self._trusted: set[int] = set()  # DDP modules registered with trust_ddp_sync=True
         self.metrics = AMPMetrics(device)
         self._last_norm: torch.Tensor | None = None
         self._skipped: torch.Tensor | None = None
@@ -137,6 +144,16 @@ class DistAMPPrecision(MixedPrecision):
         if self.policy is not None:
             return self.policy.autocast(self.device)  # type: ignore[no-any-return]
         return super().forward_context()
+
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        """Register the DDP module (once) when ``trust_ddp_sync=True``: only now is it built."""
+        ddp = isinstance(module, torch.nn.parallel.DistributedDataParallel)
+        scaler = self.scaler
+        if ddp and self.trust_ddp_sync and id(module) not in self._trusted:
+            if isinstance(scaler, DistributedGradScaler):
+                scaler.register_module(module, trust_ddp_sync=True)
+            self._trusted.add(id(module))
+        return super().pre_backward(tensor, module)
 
     # ------------------------------------------------------------------ step
     def unscale_gradients(self, optimizer: Any) -> None:

@@ -77,6 +77,7 @@ class TrainerPrecisionBase(Precision):
 
     scaler: Any  # Lightning's attribute; `_scaler` is the same object, typed
     device: str
+    trust_ddp_sync: bool = False  # see DistAMPTrainerPrecision
 
     def _init_distamp(
         self,
@@ -125,7 +126,10 @@ class TrainerPrecisionBase(Precision):
         without touching Lightning's loops.
         """
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
-        self._clipper.register_module(_module_to_register(model))
+        if self.trust_ddp_sync and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            self._clipper.register_module(model, trust_ddp_sync=True)
+        else:
+            self._clipper.register_module(_module_to_register(model))
         if self._scaler is not None and self.gate_schedulers:
             lr_schedulers = [_gated(config, self._optimizer_skipped) for config in lr_schedulers]
         return model, optimizers, lr_schedulers
@@ -310,6 +314,9 @@ class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
             see scaled gradients. ``"auto"`` (default): ``"before_hooks"`` when the
             LightningModule or a callback overrides one of those hooks, else ``"at_clip"``.
         gate_schedulers: do not step ``interval="step"`` schedulers after a skipped step.
+        trust_ddp_sync: as in :class:`~distamp.DistAMP`: ``True`` registers the DDP module so
+            the scaler takes no flag collective; off by default, so a gradient changed on one
+            rank after the all-reduce (``on_after_backward`` hooks) is still agreed on.
 
     Raises:
         ValueError: a precision other than fp16/bf16, a scaler with bf16, a policy for another
@@ -326,10 +333,12 @@ class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
         *,
         unscale: UnscaleWhen = "auto",
         gate_schedulers: bool = True,
+        trust_ddp_sync: bool = False,
     ) -> None:
         parsed, device, scaler = check_plugin_args(
             type(self).__name__, precision, device, scaler, policy, unscale, gate_schedulers
         )
+        self.trust_ddp_sync = bool(trust_ddp_sync)
         MixedPrecision.__init__(self, lightning_precision_name(parsed), device, scaler)
         self._init_distamp(parsed, device, scaler, policy, unscale, gate_schedulers)
 

@@ -25,9 +25,11 @@ Two questions, asked every step, have one owner here:
   anything else                  every rank of the agreement group (replicated by construction)
   ============================== ============================================================
 
-It also records what a wrapper has already synchronised: a DDP module whose group spans the
-agreement group has spread any inf/NaN through its all-reduce, so its optimizer needs no flag
-collective at all.
+It also records, when asked to trust it (``trust_ddp_sync=True``), what a wrapper has already
+synchronised: a DDP module whose group spans the agreement group has spread any inf/NaN through
+its all-reduce, so its optimizer needs no flag collective at all. Not trusted by default: a
+gradient changed on one rank after that all-reduce (user code between backward and step, a
+corrupted value) would then go unseen by the other ranks.
 """
 
 from __future__ import annotations
@@ -217,9 +219,10 @@ class Topology:
         self.param_names.clear()
 
     # ------------------------------------------------------------------ registration
-    def register_module(self, module: Any) -> None:
+    def register_module(self, module: Any, *, trust_ddp_sync: bool = False) -> None:
         """Record what ``module`` says about its parameters (see :class:`DistributedGradScaler`'s
-        ``register_module``)."""
+        ``register_module``); a DDP module's all-reduce is relied on only with
+        ``trust_ddp_sync=True``."""
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.nn.parallel import DistributedDataParallel
 
@@ -243,7 +246,7 @@ class Topology:
         if isinstance(module, FullyShardedDataParallel):
             self._register_fsdp1(module)
         elif isinstance(module, DistributedDataParallel):
-            self._register_ddp(module, inner)
+            self._register_ddp(module, inner, trust_ddp_sync)
 
     def _register_fsdp1(self, module: Any) -> None:
         from torch.distributed.fsdp import ShardingStrategy
@@ -258,13 +261,15 @@ class Topology:
             holders = (dist.get_rank(),)
         self._holders.update((id(p), holders) for p in module.parameters())
 
-    def _register_ddp(self, module: Any, inner: nn.Module) -> None:
+    def _register_ddp(self, module: Any, inner: nn.Module, trust_ddp_sync: bool) -> None:
         ranks = tuple(dist.get_process_group_ranks(module.process_group))
         ignored = set(getattr(module, "parameters_to_ignore", ()))
         for n, p in inner.named_parameters():
-            self._holders[id(p)] = ranks
-            if p.requires_grad and n not in ignored:
+            self._holders[id(p)] = ranks  # copies for norms: needed whether trusted or not
+            if trust_ddp_sync and p.requires_grad and n not in ignored:
                 self._ddp_params[id(p)] = ranks
+        if not trust_ddp_sync:
+            return
         flag = self._ddp_forward  # the hook holds the flag only, not the topology
 
         def _record_sync(mod: nn.Module, _args: Any) -> None:

@@ -86,8 +86,8 @@ class DistributedGradScaler(ScalerReporting):
     Collectives: one per iteration that has unreduced flags, whatever the number of optimizers
     (their flags, and a clipping norm, are packed together when the first of them needs the
     agreed value); zero when no process group is initialized, and zero for an optimizer whose
-    parameters are all synchronised by a DDP module over the whole agreement group that was
-    passed to :meth:`register_module` (its all-reduce already spread any inf to every rank).
+    parameters are all synchronised by a DDP module over the whole job that was passed to
+    :meth:`register_module` with ``trust_ddp_sync=True`` (its all-reduce spread any inf).
     """
 
     def __init__(
@@ -243,19 +243,19 @@ class DistributedGradScaler(ScalerReporting):
         return self._steps.topology.agreement
 
     # ------------------------------------------------------------------ module registration
-    def register_module(self, module: Any) -> None:
+    def register_module(self, module: Any, *, trust_ddp_sync: bool = False) -> None:
         """Tell the scaler what holds the parameters: names for reports, copies for norms.
 
-        Accepts a ``DistributedDataParallel`` module (an optimizer whose parameters it all
-        synchronises over the whole job needs no extra collective: its all-reduce already carried
-        any inf/NaN to every rank; inside a pipeline stage its group tells how many ranks hold
-        each element), an FSDP1 module (which parameters are shards), a
+        Accepts a ``DistributedDataParallel`` module (its group tells how many ranks hold each
+        element; ``trust_ddp_sync=True``, off by default: no flag collective for an optimizer it
+        fully synchronises over the job, as its all-reduce spread any inf, right only when nothing
+        edits one rank's gradients between backward and step), an FSDP1 module (shards), a
         ``torch.distributed.pipelining`` stage (its plain parameters are replicated over every
         rank running the same stage), or any module (parameter names). FSDP2, TP and expert
         parameters need no registration: their DTensor placements say it all. Call it on every
         rank, like the wrappers themselves; the engine does.
         """
-        self._steps.topology.register_module(module)
+        self._steps.topology.register_module(module, trust_ddp_sync=trust_ddp_sync)
 
     # ------------------------------------------------------------------ unscale / check
     def _unscale_grads_(

@@ -1,0 +1,170 @@
+"""Train with the Hugging Face ``Trainer`` (and its subclasses) through distamp.
+
+``DistAMPTrainer`` is a ``transformers.Trainer``; :func:`with_distamp` makes the same change to
+any ``Trainer`` subclass (TRL's ``SFTTrainer``, a trainer of your own)::
+
+    from distamp.integrations.transformers import DistAMPTrainer, with_distamp
+
+    trainer = DistAMPTrainer(model=model, args=TrainingArguments(..., fp16=True), ...)
+    SFTTrainer = with_distamp(trl.SFTTrainer)   # same arguments as the class it wraps
+
+Why: the stock ``Trainer`` builds a plain ``accelerate.Accelerator`` inside
+``create_accelerator_and_postprocess``. With ``fp16=True`` on CPU that trains in fp32 without a
+word (Accelerate enables fp16 only off the CPU); elsewhere it uses torch's ``GradScaler``, whose
+skip decision is local to each rank (and which a fused optimizer's skip hides from the Trainer,
+so the scheduler steps anyway). The only change made here is that the Trainer's accelerator is a
+:class:`~distamp.integrations.accelerate.DistAMPAccelerator`, built from exactly the arguments the
+Trainer computed. Everything else follows from the Trainer's own code paths:
+
+- ``fp16=True``: fp16 autocast and a :class:`~distamp.DistributedGradScaler`, on CPU and CUDA;
+  ``bf16=True``: a check-only scaler (nothing scaled, a NaN step skipped on every rank);
+- ``max_grad_norm`` goes through the scaler's one-pass ``clip_grad_norm_`` (unscale, overflow
+  check, norm and clip, one collective), and fused optimizers (the Trainer's default AdamW) work;
+- the Trainer's ``optimizer_step_was_skipped`` is the rank-agreed flag, so the scheduler does not
+  step on a skipped step; training logs gain ``loss_scale`` and ``skipped_steps``, and
+  :meth:`overflow_report` says where the last overflow was;
+- the scaler is the accelerator's ``scaler``, which the Trainer saves in each checkpoint
+  (``scaler.pt``) and restores on resume.
+
+What cannot be caught: gradients edited in a callback's ``on_pre_optimizer_step``. The Trainer
+calls it after clipping (or after computing the norm, which it does even without clipping), and
+that pass is where the ranks agree on the skip; a later edit on one rank is not seen by the
+others. Edit gradients in ``training_step`` (after ``super().training_step``) instead.
+
+Seams used, checked on the versions in :data:`SUPPORTED` (others are refused at import):
+``Trainer._build_accelerator_args`` (the accelerator's arguments), the ``accelerator`` and
+``gather_function`` attributes set by ``create_accelerator_and_postprocess``, and ``log``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, TypeVar
+
+from distamp.integrations import check_version
+
+SUPPORTED = ("5.23.0", "5.24")
+"""transformers versions this adapter was tested with: ``>= SUPPORTED[0], < SUPPORTED[1]``."""
+
+TRANSFORMERS_VERSION = check_version("transformers", *SUPPORTED, extra="transformers")
+
+from transformers import Trainer  # noqa: E402  (only after the version check)
+
+from distamp.integrations.accelerate import DistAMPAccelerator  # noqa: E402
+from distamp.observe.diagnostics import OverflowReport  # noqa: E402
+from distamp.scaler import DistributedGradScaler  # noqa: E402
+
+__all__ = ["SUPPORTED", "TRANSFORMERS_VERSION", "DistAMPTrainer", "with_distamp"]
+
+T = TypeVar("T", bound=type)
+
+
+class DistAMPTrainerMixin:
+    """What :func:`with_distamp` puts in front of a ``Trainer`` class (see the module doc).
+
+    Adds three keyword arguments to the Trainer's own, with the meaning they have in
+    :class:`~distamp.integrations.accelerate.DistAMPAccelerator`:
+
+    Args:
+        scaler: the :class:`~distamp.DistributedGradScaler` to use; ``None``: one for fp16, a
+            check-only one for bf16.
+        policy: an :class:`~distamp.AutocastPolicy` (fp32 modules and ops inside autocast).
+        trust_ddp_sync: skip the skip-flag collective when DDP's all-reduce spans the job. Off by
+            default: then one small collective a step also covers gradients changed on one rank
+            after the all-reduce (in ``training_step``, say).
+    """
+
+    accelerator: DistAMPAccelerator
+    gather_function: Any
+
+    def __init__(
+        self,
+        *args: Any,
+        scaler: DistributedGradScaler | None = None,
+        policy: Any = None,
+        trust_ddp_sync: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if scaler is not None and not isinstance(scaler, DistributedGradScaler):
+            raise TypeError(
+                f"scaler={scaler!r}: pass a distamp.DistributedGradScaler (or None to get one); "
+                "another scaler would let ranks disagree on skips"
+            )
+        if not isinstance(trust_ddp_sync, bool):
+            raise ValueError(f"trust_ddp_sync={trust_ddp_sync!r} must be a bool")
+        # Set before Trainer.__init__, which builds the accelerator.
+        self._distamp_options = dict(scaler=scaler, policy=policy, trust_ddp_sync=trust_ddp_sync)
+        self._distamp_accelerator_args: dict[str, Any] | None = None
+        super().__init__(*args, **kwargs)
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        """The Trainer's accelerator arguments, kept to build distamp's accelerator with."""
+        args: dict[str, Any] = super()._build_accelerator_args(**kwargs)  # type: ignore[misc]
+        self._distamp_accelerator_args = dict(args)
+        return args
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's own set-up, then its accelerator rebuilt as a ``DistAMPAccelerator``
+        from the same arguments (Accelerate's state is shared, so the Trainer's checks made on
+        the first one hold for the second)."""
+        super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        args = self._distamp_accelerator_args
+        if args is None:
+            raise AssertionError("Trainer.create_accelerator_and_postprocess built no arguments")
+        self.accelerator = DistAMPAccelerator(**args, **self._distamp_options)
+        gather = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(gather).parameters:
+            use = self.args.eval_use_gather_object  # type: ignore[attr-defined]
+            gather = functools.partial(gather, use_gather_object=use)
+        self.gather_function = gather
+
+    # ------------------------------------------------------------------ reporting
+    @property
+    def scaler(self) -> DistributedGradScaler | None:
+        """The accelerator's scaler (``None`` for fp32 or DeepSpeed)."""
+        scaler = self.accelerator.scaler
+        return scaler if isinstance(scaler, DistributedGradScaler) else None
+
+    def overflow_report(self) -> OverflowReport | None:
+        """Where the last skipped step's inf/NaN came from (see the scaler's
+        ``overflow_report``); ``None`` when nothing was skipped or without a scaler."""
+        scaler = self.scaler
+        return None if scaler is None else scaler.overflow_report()
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's ``log``; training logs (those with ``loss``) gain ``loss_scale`` and
+        ``skipped_steps``. Two host syncs per log, none per step."""
+        scaler = self.scaler
+        if scaler is not None and "loss" in logs:
+            logs = {**logs, "loss_scale": scaler.get_scale(), "skipped_steps": scaler.skipped_steps}
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
+
+
+def with_distamp(trainer_class: T) -> T:
+    """A subclass of ``trainer_class`` (a ``transformers.Trainer`` subclass) that trains through
+    distamp (see the module doc); everything the class does is kept.
+
+    Raises:
+        TypeError: ``trainer_class`` is not a ``transformers.Trainer`` subclass.
+    """
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise TypeError(
+            f"with_distamp({trainer_class!r}): pass a transformers.Trainer subclass "
+            "(the class, not an instance)"
+        )
+    if issubclass(trainer_class, DistAMPTrainerMixin):
+        return trainer_class
+    name = f"DistAMP{trainer_class.__name__}"
+    bases = (DistAMPTrainerMixin, trainer_class)
+    made = type(name, bases, {"__module__": trainer_class.__module__})
+    made.__doc__ = f"{trainer_class.__name__} training through distamp (see with_distamp)."
+    return made  # type: ignore[return-value]
+
+
+class DistAMPTrainer(DistAMPTrainerMixin, Trainer):
+    """A ``transformers.Trainer`` that trains through distamp (see the module doc).
+
+    Same arguments as ``Trainer``, plus ``scaler``, ``policy`` and ``trust_ddp_sync`` (see
+    :class:`DistAMPTrainerMixin`).
+    """

@@ -1,0 +1,200 @@
+"""DistAMPTrainer / with_distamp with a real Hugging Face Trainer on 2 gloo processes (CPU).
+
+A tiny Llama (about 1,100 parameters, built from a config: no hub access) trains 8 steps; an inf
+is written into rank 1's gradient after backward (in ``training_step``, where DDP's all-reduce
+has already run) at two steps. Checked: fp16 autocast really runs on CPU (a Linear's output
+dtype), both ranks skip the same steps, the scheduler steps only on real steps, the parameters
+are bitwise equal across ranks, the logs carry ``loss_scale``/``skipped_steps``, and resuming
+from the step-4 checkpoint ends bitwise equal to the uninterrupted run. bf16 gets a check-only
+scaler with the same agreement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs distamp[transformers]")
+pytest.importorskip("accelerate", reason="needs distamp[transformers] (accelerate)")
+
+from _dist import run_ranks
+
+STEPS, BAD_STEPS, SAVE_AT = 8, (2, 5), 4
+
+
+def _model() -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=32,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+class _Tokens:
+    """A map-style dataset of random token rows (same on every rank; the sampler splits it)."""
+
+    def __init__(self, n: int) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(7)
+        self.rows = torch.randint(0, 32, (n, 6), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _digest(model: Any) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _trainer(rank: int, out: str, precision: str, **extra: Any) -> Any:
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from distamp.integrations.transformers import with_distamp
+
+    class InjectingTrainer(Trainer):
+        """A user's Trainer subclass: writes an inf into rank 1's gradient after backward."""
+
+        injected = 0
+
+        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if self.state.global_step in BAD_STEPS and rank == 1:
+                p = next(q for q in model.parameters() if q.grad is not None)
+                p.grad.view(-1)[0] = float("inf")
+                self.injected += 1
+            return loss
+
+    class Record(TrainerCallback):
+        def __init__(self) -> None:
+            self.skipped: list[bool] = []
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.skipped.append(bool(trainer.accelerator.optimizer_step_was_skipped))
+
+    model = _model()
+    dtypes: list[torch.dtype] = []
+    model.model.layers[0].mlp.gate_proj.register_forward_hook(
+        lambda _m, _i, o: dtypes.append(o.dtype)
+    )
+    settings: dict[str, Any] = {"save_steps": SAVE_AT, "save_strategy": "steps", **extra}
+    args = TrainingArguments(
+        output_dir=out,
+        use_cpu=True,
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        fp16=precision == "fp16",
+        bf16=precision == "bf16",
+        **settings,
+    )
+    record = Record()
+    cls = with_distamp(InjectingTrainer)
+    trainer = cls(model=model, args=args, train_dataset=_Tokens(64), callbacks=[record])
+    return trainer, record, dtypes
+
+
+def _run(trainer: Any, record: Any, dtypes: list[Any], **kw: Any) -> dict[str, Any]:
+    trainer.train(**kw)
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    opt = trainer.optimizer
+    while hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    return {
+        "skipped": record.skipped,
+        "injected": trainer.injected,
+        "class": type(trainer).__name__,
+        "scheduler_steps": trainer.lr_scheduler.last_epoch,
+        "scale": trainer.scaler.get_scale(),
+        "skipped_steps": trainer.scaler.skipped_steps,
+        "log_keys": sorted({k for e in logs for k in ("loss_scale", "skipped_steps") if k in e}),
+        "last_log": {k: logs[-1].get(k) for k in ("loss_scale", "skipped_steps")},
+        "dtype": str(dtypes[0]) if dtypes else None,
+        "fused": bool(opt.defaults.get("fused")),
+        "report": trainer.overflow_report() is not None,
+        "digest": _digest(trainer.model),
+    }
+
+
+def _on_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    out: dict[str, Any] = {}
+    trainer, record, dtypes = _trainer(rank, f"{root}/fp16", "fp16")
+    out["fp16"] = _run(trainer, record, dtypes)
+    trainer, record, dtypes = _trainer(rank, f"{root}/fp16", "fp16")
+    resumed = _run(trainer, record, dtypes, resume_from_checkpoint=f"{root}/fp16/checkpoint-4")
+    out["resumed"] = resumed
+    trainer, record, dtypes = _trainer(rank, f"{root}/bf16", "bf16", save_strategy="no")
+    out["bf16"] = _run(trainer, record, dtypes)
+    return out
+
+
+def test_trainer_agrees_on_skips_and_resumes_exactly(tmp_path: Path) -> None:
+    r0, r1 = run_ranks(_on_ranks, 2, str(tmp_path), timeout=300)
+    expected = [k in BAD_STEPS for k in range(STEPS)]
+    for key in ("fp16", "bf16"):
+        a, b = r0[key], r1[key]
+        assert a["skipped"] == b["skipped"] == expected, key
+        assert a["digest"] == b["digest"], key  # bitwise-equal parameters
+        assert a["scheduler_steps"] == b["scheduler_steps"] == STEPS - len(BAD_STEPS), key
+        assert a["skipped_steps"] == b["skipped_steps"] == len(BAD_STEPS), key
+        assert a["scale"] == b["scale"], key
+        assert a["log_keys"] == ["loss_scale", "skipped_steps"], key
+        assert a["last_log"]["skipped_steps"] == len(BAD_STEPS), key
+        assert b["injected"] == len(BAD_STEPS) and a["injected"] == 0  # the subclass ran
+        assert a["class"] == "DistAMPInjectingTrainer"
+        assert a["report"], key
+    assert r0["fp16"]["dtype"] == "torch.float16"  # fp16 autocast on CPU, not fp32
+    assert r0["bf16"]["dtype"] == "torch.bfloat16"
+    assert r0["fp16"]["scale"] == 2.0**16 / 4  # two backoffs from the default 65536
+    assert r0["bf16"]["scale"] == 1.0  # check-only: nothing scaled
+    for r in (r0, r1):  # the resumed run trained steps 4..7 and ends where the full run did
+        assert r["resumed"]["digest"] == r["fp16"]["digest"]
+        assert r["resumed"]["scale"] == r["fp16"]["scale"]
+        assert r["resumed"]["skipped_steps"] == r["fp16"]["skipped_steps"]
+        assert r["resumed"]["scheduler_steps"] == r["fp16"]["scheduler_steps"]
+
+
+def test_with_distamp_refuses_a_non_trainer() -> None:
+    from distamp.integrations.transformers import DistAMPTrainer, with_distamp
+
+    with pytest.raises(TypeError, match=r"transformers\.Trainer subclass"):
+        with_distamp(object)
+    assert with_distamp(DistAMPTrainer) is DistAMPTrainer
+
+
+def test_unsupported_version_message() -> None:
+    from distamp.integrations import check_version
+    from distamp.integrations.transformers import SUPPORTED
+
+    with pytest.raises(ImportError, match=r"transformers 5\.22\.0 is not supported.*>=5\.23\.0"):
+        check_version("transformers", *SUPPORTED, extra="transformers", installed="5.22.0")
+    with pytest.raises(ImportError, match=r"distamp\[transformers\]"):
+        check_version("transformers", *SUPPORTED, extra="transformers", installed="5.24.0")
