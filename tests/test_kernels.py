@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from distamp import kernels
-from distamp.kernels import dispatch, reference, unscale_check_sumsq_
+from distamp.kernels import cpu_sumsq, dispatch, reference, unscale_check_sumsq_
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
@@ -450,13 +450,15 @@ def test_reference_matches_fp64(
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=NAMES.get)
-def test_reference_cpu_pieces(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CPU, large 16-bit tensors are normed in pieces: the sum of squares is the whole one's,
-    and the flags still name whole tensors (a piece of a tensor is never reported)."""
-    monkeypatch.setattr(reference, "_CPU_PIECE", 64)
+def test_reference_cpu_chunks(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU, 16-bit sums of squares go through a small fp32 buffer in chunks: the sum is the
+    whole one's (tensors straddling chunks, non-contiguous ones, rows longer than a chunk), and
+    the flags still name whole tensors."""
+    monkeypatch.setattr(cpu_sumsq, "CHUNK_ELEMENTS", 64)
     grads = make_grads([1000, 64, 65, 3, 0, 4097], dtype, "cpu", seed=7, magnitude=2.0)
-    grads.append(make_grads([40 * 30], dtype, "cpu", seed=8)[0].view(40, 30).t())  # not contiguous
-    assert len(reference._cpu_pieces([g for g in grads if g.numel()])) > len(grads)
+    grads.append(make_grads([40 * 30], dtype, "cpu", seed=8)[0].view(40, 30).t())  # rows of 40
+    grads.append(make_grads([3 * 200], dtype, "cpu", seed=9)[0].view(3, 200).t()[::2])  # strided
+    grads.append(make_grads([2 * 150], dtype, "cpu", seed=10)[0].view(150, 2).t())  # row > chunk
     inv = 1 / 3
     sumsq = unscale_check_sumsq_(
         grads,
@@ -467,7 +469,11 @@ def test_reference_cpu_pieces(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatc
         backend="torch",
         sumsq_dtype=torch.float64,
     )
-    assert_same(sumsq, exact_sumsq(grads, inv), 1e-5, "sumsq over pieces")
+    assert_same(sumsq, exact_sumsq(grads, inv), 1e-6, "sumsq over chunks")
+    whole = cpu_sumsq.sumsq_fp32_chunked([g for g in grads if g.numel()], chunk=1 << 20)
+    assert_same(whole, exact_sumsq(grads, 1.0), 1e-6, "sumsq in one chunk")
+    with pytest.raises(ValueError, match="chunk"):
+        cpu_sumsq.sumsq_fp32_chunked(grads, chunk=0)
     grads[5][4096] = float("inf")
     found = torch.zeros(())
     flags = torch.zeros(len(grads), dtype=torch.uint8)

@@ -12,8 +12,9 @@ By device (timings: torch 2.13 CPU, 2 cores, 10M fp32 elements in 200 tensors):
   fp32 norms.
 - CPU: fp64 norms take 510 ms there and ``_foreach_norm(ord=inf)`` 248 ms, fp32 norms 1.8 ms and
   a loop of ``torch.aminmax`` 3.4 ms. So the CPU checks with aminmax and sums fp32 norms: two read
-  passes when the sum is asked for, one otherwise. 16-bit norms accumulate in fp32 over pieces
-  of at most 1M elements (a whole-tensor upcast is 5x slower there).
+  passes when the sum is asked for, one otherwise. 16-bit sums of squares accumulate in fp32
+  through one small reusable buffer (:mod:`distamp.kernels.cpu_sumsq`): torch's CPU norm would
+  first copy each whole tensor to fp32, a gradient-sized temporary.
 - fp32 norms inherit torch's limit: a tensor whose fp32 squares overflow (elements beyond ~1e19)
   gives an infinite sum, as in ``torch.nn.utils.clip_grad_norm_``; tiny ones (below ~1e-19)
   underflow. The check itself is exact everywhere. The Triton kernel has neither limit.
@@ -28,6 +29,8 @@ from collections.abc import Sequence
 
 import torch
 
+from distamp.kernels.cpu_sumsq import sumsq_fp32_chunked
+
 __all__ = [
     "device_mismatch",
     "host_to_device",
@@ -36,7 +39,6 @@ __all__ = [
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-_CPU_PIECE = 1 << 20  # elements per piece when a CPU 16-bit norm upcasts (see _cpu_pieces)
 _amp_support: dict[tuple[str, torch.dtype], bool] = {}
 _norm64_support: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -87,54 +89,48 @@ def _norm_strategy(device: torch.device, dtype: torch.dtype) -> str:
     return "fp64" if _supported(_norm64_support, "norm64", device, dtype) else "split"
 
 
-def _flags_and_norms(
-    group: list[torch.Tensor], need_norms: bool
+def _flags_and_sumsq(
+    group: list[torch.Tensor], need_sumsq: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Which tensors of ``group`` (non-empty, one dtype) hold an inf or NaN, and (when asked)
-    fp64 2-norms whose squares sum to the group's sum of squares (one per tensor, or per piece of
-    a large CPU tensor). Read-only; no host sync and no data-dependent host branch."""
+    the group's fp64 0-dim sum of squares. Read-only; no host sync and no data-dependent host
+    branch."""
     strategy = _norm_strategy(group[0].device, group[0].dtype)
     if strategy == "fp64":
         norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float64))
-        return ~norms.isfinite(), norms
+        return ~norms.isfinite(), norms.square().sum() if need_sumsq else None
     if strategy == "cpu":
         # aminmax propagates NaN and exposes both infinities: 3.4 ms vs 248 ms for
         # _foreach_norm(ord=inf) on 10M fp32 elements in 200 tensors (torch 2.13, 2 cores).
-        ends = torch.stack([torch.stack(torch.aminmax(g)) for g in group])
+        # It copies a non-contiguous input whole first; amin + amax read it in place.
+        ends = torch.stack(
+            [
+                torch.stack(torch.aminmax(g) if g.is_contiguous() else (g.amin(), g.amax()))
+                for g in group
+            ]
+        )
     else:
         ends = torch.stack(torch._foreach_norm(group, float("inf"))).unsqueeze(1)
     bad = ends.isinf().any(dim=1) | ends.isnan().any(dim=1)
-    if not need_norms:
+    if not need_sumsq:
         return bad, None
-    return bad, _fp32_norms(group, pieces=strategy == "cpu")
+    return bad, _fp32_sumsq(group)
 
 
-def _fp32_norms(group: list[torch.Tensor], *, pieces: bool) -> torch.Tensor:
-    """fp32-accumulated 2-norms, as fp64, whose squares sum to the group's sum of squares (16-bit
-    tensors in pieces when ``pieces``: see :func:`_cpu_pieces`)."""
-    if group[0].dtype not in _LOW_PRECISION:
-        return torch.stack(torch._foreach_norm(group, 2)).to(torch.float64)
-    if pieces:
-        group = _cpu_pieces(group)
-    return torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).to(torch.float64)
+def _fp32_sumsq(group: list[torch.Tensor]) -> torch.Tensor:
+    """The group's fp32-accumulated sum of squares, as a 0-dim fp64 tensor.
 
-
-def _cpu_pieces(group: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``group`` with each large contiguous tensor split into views of ``_CPU_PIECE`` elements.
-
-    On CPU, ``_foreach_norm(dtype=float32)`` of a 16-bit tensor first copies the whole tensor to
-    fp32: a fresh allocation as large as the tensor, page-faulted in at every step. Pieces keep
-    that copy small and in cache: 36 -> 6.5 ms (bf16) and 25 -> 6.0 ms (fp16) for 20M elements in
-    100 log-normal-sized tensors (torch 2.13, 2 cores). The sum of the pieces' squares is the
-    group's sum of squares, which is all the caller needs.
+    16-bit CPU tensors go through :func:`distamp.kernels.cpu_sumsq.sumsq_fp32_chunked`: torch's
+    CPU norm would copy each whole tensor to fp32 first (see that module). Elsewhere (devices
+    without fp64 norms) ``_foreach_norm(dtype=float32)``: CUDA's foreach norm kernel accumulates
+    in the requested dtype as it reads.
     """
-    pieces: list[torch.Tensor] = []
-    for g in group:
-        if g.numel() > _CPU_PIECE and g.is_contiguous():
-            pieces.extend(g.view(-1).split(_CPU_PIECE))
-        else:
-            pieces.append(g)
-    return pieces
+    if group[0].dtype not in _LOW_PRECISION:
+        return torch.stack(torch._foreach_norm(group, 2)).to(torch.float64).square().sum()
+    if group[0].device.type == "cpu":
+        return sumsq_fp32_chunked(group)
+    norms = torch._foreach_norm(group, 2, dtype=torch.float32)
+    return torch.stack(norms).to(torch.float64).square().sum()
 
 
 def device_mismatch(i: int, g: torch.Tensor, device: torch.device) -> ValueError:
@@ -202,17 +198,17 @@ def reference_subset_(
             # and on par (8.9 vs 9.0 ms) at 100 x 200K (torch 2.13, 1 thread). A check that must
             # not change the gradients multiplies by exactly 1 (bitwise the same values).
             if total is not None:
-                sumsq = _fp32_norms(group, pieces=True).square().sum()
-                total = total + sumsq * inv_scale.to(torch.float64).reshape(()).square()
+                local = _fp32_sumsq(group)
+                total = total + local * inv_scale.to(torch.float64).reshape(()).square()
                 # A finite sum of squares proves every element finite, so a check-only call
                 # needs no second pass; only a non-finite sum (an inf/NaN, or squares beyond
                 # fp32) takes the exact check. Reading it is no sync: this is the CPU.
-                if not write and bool(torch.isfinite(sumsq)):
+                if not write and bool(torch.isfinite(local)):
                     continue
             factor = inv_scale if write else torch.ones((), dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, factor)
             continue
-        bad, norms = _flags_and_norms(group, compute_sumsq)  # of the scaled values, pre-write
+        bad, sumsq = _flags_and_sumsq(group, compute_sumsq)  # of the scaled values, pre-write
         found_inf.copy_(torch.maximum(found_inf, bad.any().to(torch.float32)))
         if per_tensor_flags is not None:
             index = host_to_device(torch.tensor(where, dtype=torch.int64), device)
@@ -220,9 +216,9 @@ def reference_subset_(
             per_tensor_flags.index_copy_(
                 0, index, torch.maximum(current, bad.to(per_tensor_flags.dtype))
             )
-        if total is not None and norms is not None:
+        if total is not None and sumsq is not None:
             unscale = inv_scale.to(torch.float64).reshape(())
-            total = total + norms.square().sum() * unscale.square()
+            total = total + sumsq * unscale.square()
         if write and amp_ok:
             torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
         elif write:
