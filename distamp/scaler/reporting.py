@@ -139,6 +139,7 @@ class ScalerReporting(torch.amp.GradScaler):
             state["_counters"] = self._counters.detached()
         # Process groups and module hooks do not survive pickling; they are re-resolved lazily.
         state["_topology"] = Topology()
+        state["_replicas"] = None  # a torchft Manager does not pickle either
         state["_plans"] = None
         state["_per_optimizer_states"] = None
         state["_overflow"] = (
