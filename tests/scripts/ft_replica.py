@@ -2,13 +2,14 @@
 distamp's scaler agreeing through the torchft Manager (started by tests/test_torchft.py).
 
 Usage: ft_replica.py REPLICA_ID LIGHTHOUSE OUT_JSON --steps N [--inf-at STEP ...]
-[--exit-at STEP] [--exit-after-unscale] [--sleep S] [--no-scaler] [--torch-scaler]
+[--exit-at STEP] [--exit-after-unscale] [--sleep S] [--no-scaler] [--no-heal-state]
 
 ``--inf-at`` writes an inf into this replica's gradient after backward at those torchft steps
 (the manager's step, identical on every replica of a quorum). ``--exit-at`` makes the process
-die (``os._exit``) at that step: at the start of the step, or between its unscale and its commit
-with ``--exit-after-unscale``. The JSON written at the end holds, per committed-or-not step, the
-manager step, the skip decision and the scale, plus the final parameters and timings.
+die (``os._exit``) at that step: before it joins the step's quorum, or between its unscale and
+its commit with ``--exit-after-unscale``. The JSON written at the end holds, per iteration, the
+manager step, the skip decision, the scale and whether torchft committed it, plus the final
+parameters and timings.
 """
 
 from __future__ import annotations
@@ -105,12 +106,14 @@ def main() -> None:
     start = time.perf_counter()
     while manager.current_step() < args.steps:
         t0 = time.perf_counter()
-        optimizer.zero_grad()  # starts the quorum
         step = manager.current_step()
         if step == args.pause_at:  # wait (outside any collective) for a restarted replica
             _wait_for([args.pause_until])
         if step == args.exit_at and not args.exit_after_unscale:
+            # Before joining the step's quorum: torchft 0.2's DDP comm hook fails with an
+            # AssertionError on the survivors when a peer dies inside the gradient all-reduce.
             os._exit(3)
+        optimizer.zero_grad()  # starts the quorum
         g = torch.Generator().manual_seed(1000 * args.replica + step)
         x = torch.randn(16, args.width, generator=g)
         y = torch.randn(16, 1, generator=g)
