@@ -153,7 +153,7 @@ class ReplicaCommit:
     def _load(self, state_dict: dict[str, Any]) -> None:
         """torchft's heal: load the healthy replica's scaler state. Mid-iteration (torchft's
         asynchronous quorum heals inside ``should_commit``, after this replica's unscale) the
-        gradients were unscaled with the old scale: remember by how much, for :meth:`vote`."""
+        gradients were unscaled with the old scale: remember by how much, for :meth:`gate`."""
         before = self._owner.get_scale()
         self._owner.load_state_dict(state_dict)
         self.heals += 1
@@ -198,9 +198,11 @@ class ReplicaCommit:
         it = self._iteration
         if it.heal_factor is None or key not in it.stale:
             return
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, it.heal_factor)
+        with torch.no_grad():  # once per heal: a plain loop is enough
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(it.heal_factor)
         it.stale = it.stale - {key}
 
     def end_iteration(self) -> bool:

@@ -89,6 +89,7 @@ def main() -> None:
         quorum_timeout=timeout,
         connect_timeout=timeout,
     )
+    ready_at = time.perf_counter()
     if args.ready:
         open(args.ready, "w").close()
     _wait_for(args.wait_for)
@@ -103,6 +104,7 @@ def main() -> None:
 
     log: list[dict] = []
     step_times: list[float] = []
+    first_commit: float | None = None
     start = time.perf_counter()
     while manager.current_step() < args.steps:
         t0 = time.perf_counter()
@@ -122,7 +124,8 @@ def main() -> None:
         if scaler is None:
             loss.backward()
             optimizer.step()
-            log.append({"step": step, "skipped": False, "scale": 1.0})
+            log.append({"step": step, "skipped": False, "scale": 1.0, "skipped_steps": 0,
+                        "committed": manager.current_step() > step})  # fmt: skip
         else:
             scaler.scale(loss).backward()
             if step in args.inf_at:
@@ -136,11 +139,13 @@ def main() -> None:
                         "scale": scaler.get_scale(), "committed": manager.current_step() > step,
                         "skipped_steps": scaler.skipped_steps})  # fmt: skip
         step_times.append(time.perf_counter() - t0)
+        if first_commit is None and manager.current_step() > step:
+            first_commit = time.perf_counter() - ready_at  # includes healing, if any
         if args.sleep:
             time.sleep(args.sleep)
     params = [p.detach().tolist() for p in model.parameters()]
     out = {"log": log, "params": params, "step_times": step_times,
-           "elapsed": time.perf_counter() - start}  # fmt: skip
+           "elapsed": time.perf_counter() - start, "first_commit_s": first_commit}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(out, f)
     manager.shutdown(wait=False)
