@@ -52,7 +52,7 @@ def main() -> None:
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=2000
+        bind="[::]:0", min_replicas=1, join_timeout_ms=10000, heartbeat_timeout_ms=2000
     )
     addr = lighthouse.address()
     common = ["--steps", str(args.steps), "--width", str(args.width)]

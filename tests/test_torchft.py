@@ -39,8 +39,10 @@ class _Replicas:
     def __init__(self, tmp: Path) -> None:
         coordination = pytest.importorskip("torchft.coordination", reason="torchft not installed")
         self.tmp = tmp
+        # join_timeout: how long a quorum waits for a live (heartbeating) replica that has not
+        # asked to join yet: a restarted replica must find the paused survivor in its quorum.
         self.lighthouse = coordination.LighthouseServer(
-            bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=2000
+            bind="[::]:0", min_replicas=1, join_timeout_ms=10000, heartbeat_timeout_ms=2000
         )
         self.procs: list[subprocess.Popen[str]] = []
 
