@@ -170,5 +170,9 @@ def test_replica_dying_between_unscale_and_commit_hangs_nobody(replicas: _Replic
                 previous["skipped_steps"],
             )
         previous = e
+    # The attempt whose peer died was not committed, then retried; it did not count toward
+    # growth (scales: 3 clean committed steps per doubling, growth_interval=3).
+    assert [e["step"] for e in log if not e["committed"]] == [5]
+    assert [e["scale"] for e in log if e["committed"]][2::3] == [2048.0, 4096.0, 8192.0]
     # The inf lived only on the replica that died before agreeing: nothing was skipped for it.
     assert log[-1]["skipped_steps"] == 0
