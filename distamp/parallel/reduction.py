@@ -17,9 +17,18 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["FlagReducer", "GroupSpec", "Rider", "reduce_flags", "ride_along"]
+__all__ = ["ExternalGroup", "FlagReducer", "GroupSpec", "Rider", "reduce_flags", "ride_along"]
 
 GroupSpec = Any  # ProcessGroup | DeviceMesh | None; torch types kept loose for older releases
+
+
+class ExternalGroup:
+    """A set of ranks reached by something other than a ``torch.distributed`` group (the replicas
+    of a torchft quorum, :mod:`distamp.parallel.replicas`): it reduces a tensor in place itself.
+    Its ranks hold replicas of what the groups before it hold, so they add no element copies."""
+
+    def all_reduce_(self, tensor: torch.Tensor, op: Any) -> None:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -51,7 +60,9 @@ class FlagReducer:
         """How many ranks the reduction spans (1 for a no-op)."""
         if self.is_noop:
             return 1
-        return dist.get_world_size() if self.ranks is None else len(self.ranks)
+        if self.ranks is not None:
+            return len(self.ranks)
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     def all_reduce_max_(self, flags: torch.Tensor) -> None:
         """MAX-reduce ``flags`` in place across the group (asynchronous on CUDA: no host sync)."""
@@ -61,7 +72,10 @@ class FlagReducer:
         """Reduce ``tensor`` in place with ``op`` (MAX or SUM), dimension by dimension of a mesh:
         both are associative, so the result is the reduction over every rank."""
         for group in self.groups:
-            dist.all_reduce(tensor, op=op, group=group)
+            if isinstance(group, ExternalGroup):
+                group.all_reduce_(tensor, op)
+            else:
+                dist.all_reduce(tensor, op=op, group=group)
 
 
 def reduce_flags(

@@ -44,9 +44,11 @@ from torch import nn
 
 from distamp.cluster import is_distributed
 from distamp.parallel.reduction import FlagReducer, GroupSpec
+from distamp.parallel.replicas import ManagerGroup, is_ft_manager
 
 __all__ = [
     "Topology",
+    "check_group_spec",
     "grad_device",
     "is_dtensor",
     "is_distributed",  # re-exported from distamp.cluster, where it is defined
@@ -134,6 +136,22 @@ def agreement_group(process_group: GroupSpec) -> FlagReducer:
     return FlagReducer((process_group,), dist.get_backend(process_group), ranks)
 
 
+def check_group_spec(process_group: GroupSpec) -> None:
+    """``TypeError`` unless ``process_group`` is one of the kinds the scaler can agree over."""
+    if process_group is None or is_ft_manager(process_group):
+        return
+    mesh_type = _device_mesh_type()
+    if isinstance(process_group, dist.ProcessGroup) or (
+        mesh_type is not None and isinstance(process_group, mesh_type)
+    ):
+        return
+    raise TypeError(
+        f"process_group={process_group!r} ({type(process_group).__name__}) is not supported: "
+        "pass None (every rank of the job), a torch.distributed ProcessGroup, a DeviceMesh, or "
+        "a torchft.Manager (fault-tolerant replica groups)."
+    )
+
+
 def _within(ranks: Iterable[int], agreeing: frozenset[int] | None) -> int:
     return sum(1 for r in ranks if agreeing is None or r in agreeing)
 
@@ -186,7 +204,11 @@ class Topology:
     """
 
     def __init__(self, process_group: GroupSpec = None) -> None:
-        self.process_group = process_group
+        check_group_spec(process_group)
+        # A torchft Manager: the agreement spans this replica group's default group, then the
+        # quorum's replicas through the manager (distamp.parallel.replicas).
+        self.ft_manager: Any = process_group if is_ft_manager(process_group) else None
+        self.process_group = None if self.ft_manager is not None else process_group
         self._agreement: FlagReducer | None = None
         # What registered wrappers tell: parameter id -> the ranks holding its elements (None:
         # every rank of the agreement group), or a divisor of the group size (pipeline stages).
@@ -203,12 +225,17 @@ class Topology:
     def agreement(self) -> FlagReducer:
         """The reducer every flag and norm collective of a step goes through (resolved once)."""
         if self._agreement is None:
-            self._agreement = agreement_group(self.process_group)
+            reducer = agreement_group(self.process_group)
+            if self.ft_manager is not None:
+                across = ManagerGroup(self.ft_manager)
+                reducer = FlagReducer((*reducer.groups, across), reducer.backend, reducer.ranks)
+            self._agreement = reducer
         return self._agreement
 
     def reset(self) -> None:
         """Forget what was resolved against live process groups (after unpickling)."""
         self.process_group = None
+        self.ft_manager = None
         self._agreement = None
         self._holders.clear()
         self._stage_divisor.clear()
@@ -245,7 +272,9 @@ class Topology:
             self._stage_divisor.update((id(p), size) for p in inner.parameters())
         if isinstance(module, FullyShardedDataParallel):
             self._register_fsdp1(module)
-        elif isinstance(module, DistributedDataParallel):
+        elif isinstance(module, DistributedDataParallel) and _is_c10d_group(module.process_group):
+            # torchft's DDP holds a placeholder group (its all-reduce runs through the Manager):
+            # only the names are recorded, its parameters count as replicated.
             self._register_ddp(module, inner, trust_ddp_sync)
 
     def _register_fsdp1(self, module: Any) -> None:
@@ -324,9 +353,18 @@ class Topology:
         holders = self._holders.get(id(param))
         if holders is not None:
             return max(1, _within(holders, agreeing))
-        size = len(agreeing) if agreeing is not None else dist.get_world_size()
+        size = reducer.size
         divisor = self._stage_divisor.get(id(param), 1)
         return max(1, size // divisor)
+
+
+def _is_c10d_group(group: Any) -> bool:
+    """Whether ``group`` is a process group torch.distributed knows (has ranks to ask for)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError, KeyError, AttributeError):
+        return False
+    return True
 
 
 def is_pipeline_stage(obj: Any) -> bool:

@@ -24,6 +24,7 @@ from torch.amp.grad_scaler import OptState
 
 from distamp.observe.diagnostics import NonFiniteTracer, OverflowRecorder
 from distamp.parallel import reduction
+from distamp.parallel.replicas import ReplicaCommit
 from distamp.scaler.clipping import check_clip_args, clip_step_grads_
 from distamp.scaler.config import check_device, check_scaler_args
 from distamp.scaler.grad_groups import check_groups_
@@ -71,7 +72,8 @@ class DistributedGradScaler(ScalerReporting):
             one collective over the default group, whatever meshes the parameters live on (data,
             tensor, pipeline and expert parallelism alike). A ``ProcessGroup`` or ``DeviceMesh``
             narrows it: right only when those ranks train a model of their own, independent of
-            the other ranks of the job.
+            the other ranks of the job. A ``torchft.Manager``: fault-tolerant replica groups
+            (:mod:`distamp.parallel.replicas`). Anything else: ``TypeError``.
         sync_free: ``step()`` never waits for the device: the skip is decided on device, through
             the optimizer's ``found_inf`` argument (fused optimizers) or a masked update.
         check_only: for bf16 and fp32 training, which need no loss scaling: ``scale()`` returns
@@ -133,6 +135,10 @@ class DistributedGradScaler(ScalerReporting):
         self._max_scale = None if max_scale is None else float(max_scale)
         self._sync_free = sync_free
         self._counters = ScaleState(self._hysteresis)
+        manager = self._steps.topology.ft_manager  # torchft hook: commit vote, state that heals
+        self._replicas = (
+            None if manager is None else ReplicaCommit(manager, self, self._steps.current_records)
+        )
         self._overflow = OverflowRecorder(lazy_on_cpu=not sync_free) if report_overflow else None
         self._tracer: NonFiniteTracer | None = None
 
@@ -397,6 +403,8 @@ class DistributedGradScaler(ScalerReporting):
         found_inf = record.found_inf
         if found_inf is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
+        if self._replicas is not None:  # torchft hook: every replica votes, skipping or not
+            found_inf, optimizer = self._replicas.gate(optimizer, found_inf)
         if self._counters.ready:
             self._counters.last_skipped = found_inf  # compared with 0 when read
         if fused:
@@ -427,6 +435,9 @@ class DistributedGradScaler(ScalerReporting):
                 self._overflow.discard()
             return
         self._steps.reduce_pending()
+        if self._replicas is not None and not self._replicas.end_iteration():
+            self.update(new_scale=scale)  # torchft hook: uncommitted, scale and counters kept
+            return
         found_inf = self._steps.agreed_found_inf(scale.device)
         if found_inf is None:
             raise ScalerStateError(

@@ -218,6 +218,11 @@ class StepAgreement:
         """Forget the optimizer's record (a disabled scaler keeps no per-step state)."""
         self.records.pop(id(optimizer), None)
 
+    def current_records(self) -> StepRecords:
+        """This iteration's records (a new mapping every iteration: callers that outlive one
+        iteration, such as the torchft commit vote, ask for it each time)."""
+        return self.records
+
     def new_iteration(self) -> None:
         """Drop every record: the next use of an optimizer starts READY."""
         self.records = StepRecords(self)

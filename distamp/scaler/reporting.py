@@ -144,6 +144,7 @@ class ScalerReporting(torch.amp.GradScaler):
             state["_counters"] = self._counters.detached()
         # Process groups and module hooks do not survive pickling (the step agreement drops
         # them, see StepAgreement.__reduce__); they are re-resolved lazily.
+        state["_replicas"] = None  # a torchft Manager does not pickle either
         state["_overflow"] = (
             None if self._overflow is None else OverflowRecorder(lazy_on_cpu=not self._sync_free)
         )

@@ -1,0 +1,178 @@
+"""DistributedGradScaler(process_group=torchft.Manager): fault-tolerant replica groups.
+
+Real torchft: a Lighthouse in this process, each replica group a separate Python process
+(tests/scripts/ft_replica.py: one rank, gloo, torchft's DDP and optimizer wrapper, fp16
+autocast), killed and restarted for real. Every process runs under a hard timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import distamp
+from tests._dist import ROOT, launcher_free_env
+
+SCRIPT = ROOT / "tests" / "scripts" / "ft_replica.py"
+TIMEOUT = 240.0  # per process; start-up alone (imports) takes seconds on a loaded machine
+
+
+def test_process_group_of_unsupported_type_raises_type_error() -> None:
+    for bad in ("world", 2, [0, 1], object()):
+        with pytest.raises(TypeError, match=r"ProcessGroup.*DeviceMesh.*torchft\.Manager"):
+            distamp.DistributedGradScaler("cpu", process_group=bad)
+    distamp.DistributedGradScaler("cpu", process_group=None)  # still accepted
+
+
+class _Replicas:
+    """Replica processes sharing one in-process Lighthouse; killed at the end whatever happens."""
+
+    def __init__(self, tmp: Path) -> None:
+        coordination = pytest.importorskip("torchft.coordination", reason="torchft not installed")
+        self.tmp = tmp
+        # join_timeout: how long a quorum waits for a live (heartbeating) replica that has not
+        # asked to join yet: a restarted replica must find the paused survivor in its quorum.
+        self.lighthouse = coordination.LighthouseServer(
+            bind="[::]:0", min_replicas=1, join_timeout_ms=10000, heartbeat_timeout_ms=2000
+        )
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, replica: int, name: str, *args: str, steps: int = 10) -> Path:
+        out = self.tmp / f"{name}.json"
+        env = launcher_free_env()
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        cmd = [sys.executable, str(SCRIPT), str(replica), self.lighthouse.address(), str(out)]
+        err = open(self.tmp / f"{name}.err", "w")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            [*cmd, "--steps", str(steps), *args], cwd=ROOT, env=env, text=True,
+            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+        )  # fmt: skip
+        self.procs.append(proc)
+        return out
+
+    def ready(self, name: str) -> str:
+        return str(self.tmp / f"{name}.ready")
+
+    def wait(self, proc_index: int, expect_rc: int = 0) -> None:
+        proc = self.procs[proc_index]
+        try:
+            rc = proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise TimeoutError(f"replica process {proc_index} hung: {self._errors()}") from None
+        assert rc == expect_rc, f"replica process {proc_index} exited {rc}: {self._errors()}"
+
+    def _errors(self) -> str:
+        return "\n".join(p.read_text()[-2000:] for p in sorted(self.tmp.glob("*.err")))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.lighthouse.shutdown()
+
+
+@pytest.fixture
+def replicas(tmp_path: Path) -> Any:
+    group = _Replicas(tmp_path)
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def _by_step(log: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Entries of committed steps keyed by the step they committed (a healed replica logs the
+    step it read before healing: its committed entries follow the survivor's numbering)."""
+    return {e["step"]: e for e in log if e["committed"]}
+
+
+def test_two_replicas_agree_on_skips_scale_and_parameters(replicas: _Replicas) -> None:
+    both = [replicas.ready("r0"), replicas.ready("r1")]
+    out0 = replicas.start(0, "r0", "--ready", both[0], "--wait-for", *both)
+    out1 = replicas.start(1, "r1", "--ready", both[1], "--wait-for", *both, "--inf-at", "4", "7")
+    replicas.wait(0)
+    replicas.wait(1)
+    a, b = _load(out0), _load(out1)
+    assert [e["skipped"] for e in a["log"]] == [e["skipped"] for e in b["log"]]
+    assert [e["step"] for e in a["log"] if e["skipped"]] == [4, 7]  # the inf on replica 1 only
+    assert [e["scale"] for e in a["log"]] == [e["scale"] for e in b["log"]]
+    assert a["log"][-1]["skipped_steps"] == b["log"][-1]["skipped_steps"] == 2
+    assert all(e["committed"] for e in a["log"] + b["log"])
+    for p, q in zip(a["params"], b["params"], strict=True):
+        assert torch.equal(torch.tensor(p), torch.tensor(q))  # bitwise
+
+
+def test_restarted_replica_heals_with_the_survivors_scale(replicas: _Replicas) -> None:
+    first = [replicas.ready("r0"), replicas.ready("r1")]
+    back = replicas.ready("r1b")
+    steps = 16
+    out0 = replicas.start(0, "r0", "--ready", first[0], "--wait-for", *first, "--inf-at", "12",
+                          "--pause-at", "9", "--pause-until", back, steps=steps)  # fmt: skip
+    replicas.start(1, "r1", "--ready", first[1], "--wait-for", *first, "--inf-at", "4",
+                   "--exit-at", "7", steps=steps)  # fmt: skip
+    replicas.wait(1, expect_rc=3)  # died at step 7
+    t0 = time.monotonic()
+    out1 = replicas.start(1, "r1b", "--ready", back, steps=steps)
+    replicas.wait(0)
+    replicas.wait(2)
+    restart_to_end = time.monotonic() - t0
+    a, b = _load(out0), _load(out1)
+    survivor = _by_step(a["log"])
+    assert sorted(survivor) == list(range(steps))
+    healed = b["log"]
+    # The restarted replica never ran steps 0-8: its first iteration healed (weights, optimizer
+    # and the scaler's state) from the survivor, then both committed the same steps.
+    assert len(healed) < steps - 5
+    assert healed[0]["skipped_steps"] == 1  # the survivor's skip at step 4, received by healing
+    for e, s in zip(healed, [survivor[k] for k in range(steps - len(healed), steps)], strict=True):
+        assert (e["skipped"], e["scale"], e["skipped_steps"]) == (
+            s["skipped"],
+            s["scale"],
+            s["skipped_steps"],
+        )
+    assert survivor[12]["skipped"] and healed[-1]["skipped_steps"] == 2  # 4 (before) and 12
+    for p, q in zip(a["params"], b["params"], strict=True):
+        assert torch.equal(torch.tensor(p), torch.tensor(q))
+    assert restart_to_end < TIMEOUT
+
+
+def test_replica_dying_between_unscale_and_commit_hangs_nobody(replicas: _Replicas) -> None:
+    both = [replicas.ready("r0"), replicas.ready("r1")]
+    out0 = replicas.start(0, "r0", "--ready", both[0], "--wait-for", *both)
+    replicas.start(1, "r1", "--ready", both[1], "--wait-for", *both, "--inf-at", "5",
+                   "--exit-at", "5", "--exit-after-unscale")  # fmt: skip
+    replicas.wait(1, expect_rc=3)
+    replicas.wait(0)  # the survivor finished: no hang
+    log = _load(out0)["log"]
+    assert sorted(_by_step(log)) == list(range(10))
+    previous = None
+    for e in log:
+        if not e["committed"]:  # the attempt whose peer died: a no-op, scale and counters kept
+            assert e["skipped"]
+            assert previous is not None
+            assert (e["scale"], e["skipped_steps"]) == (
+                previous["scale"],
+                previous["skipped_steps"],
+            )
+        previous = e
+    # The attempt whose peer died was not committed, then retried; it did not count toward
+    # growth (scales: 3 clean committed steps per doubling, growth_interval=3).
+    assert [e["step"] for e in log if not e["committed"]] == [5]
+    assert [e["scale"] for e in log if e["committed"]][2::3] == [2048.0, 4096.0, 8192.0]
+    # The inf lived only on the replica that died before agreeing: nothing was skipped for it.
+    assert log[-1]["skipped_steps"] == 0
