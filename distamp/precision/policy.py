@@ -15,6 +15,7 @@ numerics on CPU and GPU.
 from __future__ import annotations
 
 import fnmatch
+import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -107,14 +108,28 @@ def parse_precision(value: PrecisionLike | Any) -> Precision:
     if isinstance(value, torch.dtype):
         if value in _DTYPES:
             return _DTYPES[value]
-    elif isinstance(value, int) and not isinstance(value, bool) and str(value) in _SPELLINGS:
-        return _SPELLINGS[str(value)]
+    elif _as_int(value) is not None and str(_as_int(value)) in _SPELLINGS:
+        return _SPELLINGS[str(_as_int(value))]
     elif isinstance(value, str) and value.strip().lower() in _SPELLINGS:
         return _SPELLINGS[value.strip().lower()]
     raise ValueError(
         f"precision={value!r} is not a training precision distamp knows. Valid values: "
         f"{', '.join(repr(s) for s in VALID_PRECISIONS)}, or torch.float32/float16/bfloat16."
     )
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as a plain int when it is an integer as torch takes one (any ``numbers.Integral``
+    such as ``numpy.int64``, or a 0-d integer tensor), never a bool; else ``None``."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 0 or value.is_floating_point() or value.is_complex():
+            return None
+        if value.dtype == torch.bool:
+            return None
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
 
 
 def select_mp_owner(precision: Precision, strategy: str, device_type: str) -> MPOwner:
@@ -307,6 +322,8 @@ class AutocastPolicy:
         fp8_all_gather: bool | None = None,
     ) -> None:
         self.precision = parse_precision(precision)
+        if fp8_min_features is not None and _as_int(fp8_min_features) is not None:
+            fp8_min_features = _as_int(fp8_min_features)  # numpy / 0-d tensor: a plain int
         fp8_options = {
             "recipe": recipe,
             "fp8_min_features": fp8_min_features,
