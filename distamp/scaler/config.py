@@ -157,11 +157,13 @@ def _bounds(low: Any, high: Any, name: Callable[[str], str]) -> tuple[float | No
     return lo, hi
 
 
-def _scale_between(name: str, scale: float, low: float | None, high: float | None) -> None:
+def _scale_between(
+    scale: float, low: float | None, high: float | None, name: Callable[[str], str], key: str
+) -> None:
     if low is not None and scale < low:
-        raise ValueError(f"`{name}`={scale!r} is below `min_scale`={low!r}")
+        raise ValueError(f"`{name(key)}`={scale!r} is below `{name('min_scale')}`={low!r}")
     if high is not None and scale > high:
-        raise ValueError(f"`{name}`={scale!r} is above `max_scale`={high!r}")
+        raise ValueError(f"`{name(key)}`={scale!r} is above `{name('max_scale')}`={high!r}")
 
 
 def check_device(device: Any) -> str:
@@ -206,7 +208,7 @@ def check_scaler_args(
     interval = _int_value("growth_interval", growth_interval, 1, INT32_MAX, "counted in int32")
     _int_value("hysteresis", hysteresis, 1, INT32_MAX, "its tracker is int32")
     low, high = _bounds(min_scale, max_scale, _plain)
-    _scale_between("init_scale", scale, low, high)
+    _scale_between(scale, low, high, _plain, "init_scale")
     return scale, growth, backoff, interval
 
 
@@ -257,5 +259,5 @@ def validate_state_dict(
     ):
         sd[name] = _int_value(_in_state(name), sd[name], low, high, why)
     sd["min_scale"], sd["max_scale"] = _bounds(sd["min_scale"], sd["max_scale"], _in_state)
-    _scale_between(_in_state("scale"), sd["scale"], sd["min_scale"], sd["max_scale"])
+    _scale_between(sd["scale"], sd["min_scale"], sd["max_scale"], _in_state, "scale")
     return sd
