@@ -137,7 +137,7 @@ def parse_device(device: str | torch.device | None) -> torch.device | None:
         return device
     try:
         return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:  # 2**63: ValueError
         raise ValueError(f"device={device!r} is not a torch device: {exc}") from None
 
 
