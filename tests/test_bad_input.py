@@ -342,6 +342,7 @@ ENV_VALUES = st.one_of(
 @example({"RANK": "0", "WORLD_SIZE": "abc"})
 @example({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"})
 @example({"MASTER_PORT": "99999"})
+@example({"RANK": "0", "WORLD_SIZE": "0\x1f"})
 @example({"RANK": "0", "WORLD_SIZE": "9" * 5000})
 @example({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_NODEID": "-1",
           "SLURM_TASKS_PER_NODE": "2", "SLURM_LOCALID": "0"})  # fmt: skip

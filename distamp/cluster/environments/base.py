@@ -71,12 +71,14 @@ def read_int(env: Mapping[str, str], name: str, *, low: int = 0, high: int = INT
             f"{name} is not set, though other variables of its launcher are: set it, or name the "
             "launcher with DISTAMP_LAUNCHER"
         )
-    # Stricter than int(), which takes "1_0"; 30 digits at most, below int()'s own length limit.
-    if not re.fullmatch(r"\s*-?[0-9]{1,30}\s*", value):
+    # Stricter than int(), which takes "1_0"; 30 digits at most, below int()'s own length limit;
+    # ASCII blanks only around it (regex \s also matches "\x1f", which int() refuses).
+    match = re.fullmatch(r"[ \t\r\n]*(-?[0-9]{1,30})[ \t\r\n]*", value)
+    if match is None:
         raise ValueError(
             f"{name}={value!r} is not an integer (expected a whole number in [{low}, {high}])"
         )
-    number = int(value)
+    number = int(match[1])
     if not low <= number <= high:
         raise ValueError(
             f"{name}={number} is out of range: expected a whole number in [{low}, {high}]"
