@@ -2,6 +2,10 @@
 
 The launcher -> command mapping (:func:`build_command`) and the ``auto`` rule
 (:func:`resolve_launcher`) are pure functions; only :func:`main` looks at the machine and runs.
+
+Every bad argument is an argparse usage error (exit code 2, the argument, the value and what is
+allowed) found before anything starts: :func:`int_arg` and :func:`real_arg` are the argument
+types, shared with ``launch/train.py``.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import re
 import shlex
@@ -18,15 +23,72 @@ import subprocess
 import sys
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from distamp.arguments import INT32_MAX  # process counts and ranks end up in torch int32 args
 from distamp.cluster import detect_environment, free_port
 
-__all__ = ["LaunchSpec", "build_command", "environment_report", "main", "resolve_launcher"]
+__all__ = [
+    "LaunchSpec",
+    "build_command",
+    "environment_report",
+    "int_arg",
+    "main",
+    "real_arg",
+    "resolve_launcher",
+]
 
 LAUNCHER_CHOICES = ("auto", "torchrun", "mpirun", "srun", "single")
+
+
+def int_arg(low: int, high: int = INT32_MAX) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number in ``[low, high]``, else a usage error saying so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number in [{low}, {high}], got {text!r}"
+            )
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def real_arg(low: float, high: float = math.inf, *, above: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number ``>= low`` (``> low`` when ``above``) and ``<= high``,
+    else a usage error saying so (``nan``/``inf`` are refused)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        ok = math.isfinite(value) and (value > low if above else value >= low) and value <= high
+        if not ok:
+            bound = f"> {low:g}" if above else f">= {low:g}"
+            top = "" if math.isinf(high) else f" and <= {high:.10g}"
+            raise argparse.ArgumentTypeError(f"expected a finite number {bound}{top}, got {text!r}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def _endpoint(text: str) -> str:
+    """``HOST:PORT`` with a non-empty host and a TCP port (1-65535)."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT with a TCP port in [1, 65535], got {text!r}"
+        )
+    return text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,24 +293,51 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     launch = sub.add_parser("launch", help="start SCRIPT on several processes")
     launch.add_argument("--launcher", choices=LAUNCHER_CHOICES, default="auto")
-    launch.add_argument("--nnodes", type=int, default=1)
-    launch.add_argument("--nproc-per-node", type=int, default=1)
-    launch.add_argument("--node-rank", type=int, default=None, help="torchrun only")
-    launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT")
+    launch.add_argument("--nnodes", type=int_arg(1), default=1, metavar="N")
+    launch.add_argument("--nproc-per-node", type=int_arg(1), default=1, metavar="N")
+    launch.add_argument(
+        "--node-rank", type=int_arg(0), default=None, metavar="I", help="torchrun only"
+    )
+    launch.add_argument("--rdzv-endpoint", type=_endpoint, default=None, metavar="HOST:PORT")
     launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     launch.add_argument(
         "--sbatch",
         action="store_true",
         help="print a SLURM batch script for --launcher torchrun|srun|mpirun, run nothing",
     )
-    launch.add_argument("script")
+    launch.add_argument("script", help="a Python file (checked to exist unless only printed)")
     launch.add_argument("script_args", nargs=argparse.REMAINDER)
+    launch.set_defaults(usage_error=launch.error)  # usage errors found after parsing
     report = sub.add_parser("env", help="report versions, launcher and hardware support")
     report.add_argument("--json", action="store_true")
     return parser
 
 
+def _check_launch(args: argparse.Namespace) -> None:
+    """What argparse cannot check one argument at a time: usage error (exit 2) if wrong."""
+    error = args.usage_error
+    if args.node_rank is not None and args.node_rank >= args.nnodes:
+        error(f"argument --node-rank: expected a node index in [0, {args.nnodes - 1}] for "
+              f"--nnodes {args.nnodes}, got {args.node_rank}")  # fmt: skip
+    if args.nnodes * args.nproc_per_node > INT32_MAX:
+        error(f"--nnodes x --nproc-per-node = {args.nnodes * args.nproc_per_node} processes: "
+              f"at most {INT32_MAX}")  # fmt: skip
+    if args.dry_run or args.sbatch:
+        return  # only printed: the script may live on the machine that will run it
+    if not os.path.isfile(args.script):
+        what = "is a directory" if os.path.isdir(args.script) else "does not exist"
+        error(f"argument script: {args.script!r} {what}; expected a Python file to run")
+    if not os.access(args.script, os.R_OK):
+        error(f"argument script: {args.script!r} is not readable")
+    if args.rdzv_endpoint is None and {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+        try:
+            _endpoint(f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+        except argparse.ArgumentTypeError as exc:
+            error(f"MASTER_ADDR/MASTER_PORT in the environment: {exc}")
+
+
 def _launch(args: argparse.Namespace) -> int:
+    _check_launch(args)
     if args.sbatch:  # the rendezvous endpoint comes from the allocation, at run time
         from distamp.cluster.recipes import render_sbatch
 
@@ -261,8 +350,7 @@ def _launch(args: argparse.Namespace) -> int:
                 script_args=args.script_args,
             )
         except ValueError as exc:
-            print(f"distamp launch: error: --sbatch: {exc}", file=sys.stderr)
-            return 2
+            args.usage_error(f"argument --sbatch: {exc}")
         print(script, end="")
         return 0
     launcher = resolve_launcher(
@@ -287,8 +375,7 @@ def _launch(args: argparse.Namespace) -> int:
     try:
         cmd = build_command(spec)
     except ValueError as exc:
-        print(f"distamp launch: error: {exc}", file=sys.stderr)
-        return 2
+        args.usage_error(str(exc))
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
@@ -310,10 +397,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``distamp`` console script; returns the process exit code."""
     try:
         args = _parser().parse_args(argv)
+        if args.command == "launch":
+            return _launch(args)
     except SystemExit as exc:  # --help, --version and usage errors: argparse already printed
         return exc.code if isinstance(exc.code, int) else 2
-    if args.command == "launch":
-        return _launch(args)
     report = environment_report()
     if args.json:
         print(json.dumps(report, indent=2))

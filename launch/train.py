@@ -36,54 +36,93 @@ from distamp import (
     AutocastPolicy,
     DistAMP,
     ProgressPrinter,
+    detect_environment,
     init_distributed,
     parse_precision,
     shutdown_distributed,
 )
+from distamp.cli import int_arg, real_arg
+from distamp.parallel.strategies import STRATEGIES
+from distamp.precision.fp8_select import FP8_RECIPES
 from launch.model import DATA_FILE, GPT, GPTConfig, ShardedText, lm_loss, load_text
 
 
+def _precision(text: str) -> str:
+    """argparse type for --precision: any spelling parse_precision takes (kept as written)."""
+    try:
+        parse_precision(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("precision=")) from None
+    return text
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check every argument: a bad one is a usage error (exit 2) naming it and what is
+    allowed, before any process group starts."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--steps", type=int, default=300, help="optimizer steps (the LR schedule's length)"
+    add = p.add_argument
+    add("--steps", type=int_arg(1), default=300, help="optimizer steps (the LR schedule's length)")
+    add(
+        "--precision", type=_precision, default="fp16", help="fp16 | bf16 | fp32 | fp8, 16-mixed..."
     )
-    p.add_argument("--precision", default="fp16", help="fp16 | bf16 | fp32 | fp8, or 16-mixed...")
-    p.add_argument("--fp8-recipe", default="tensorwise", help="fp8: tensorwise | rowwise")
-    p.add_argument(
+    add("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise", help="fp8 scaling recipe")
+    add(
         "--fp8-min-features",
-        type=int,
+        type=int_arg(0),
         default=64,
         help="fp8: smallest in/out features of a float8 Linear (distamp's default is 2048; this "
         "model is 64 wide, so 64 puts every Linear of it in fp8)",
     )
-    p.add_argument("--strategy", default="auto", help="auto | ddp | fsdp | fsdp2 | none")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip norm; 0 disables")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch per rank")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
-    p.add_argument("--log-interval", type=int, default=10, help="steps between metric syncs")
-    p.add_argument("--out", type=Path, default=None, help="checkpoints + metrics.jsonl")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    p.add_argument("--checkpoint-interval", type=int, default=0, help="0: save at the end only")
-    p.add_argument("--stop-at", type=int, default=None, help="save and stop after this step")
-    p.add_argument("--data", type=Path, default=DATA_FILE, help="any text file")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0: cores/ranks)")
-    p.add_argument("--timeout", type=float, default=300.0, help="rendezvous timeout, seconds")
-    p.add_argument(
+    add("--strategy", choices=STRATEGIES, default="auto", help="data-parallel strategy")
+    add("--grad-accum", type=int_arg(1), default=1, help="micro-batches per step")
+    add("--max-grad-norm", type=real_arg(0.0), default=1.0, help="clip norm; 0 disables")
+    add("--seed", type=int_arg(0, 2**32 - 1), default=0)
+    add("--batch-size", type=int_arg(1), default=16, help="sequences per micro-batch per rank")
+    add("--lr", type=real_arg(0.0, above=True), default=3e-3, help="peak learning rate")
+    add("--warmup", type=int_arg(0), default=20, help="linear warm-up steps")
+    add("--log-interval", type=int_arg(1), default=10, help="steps between metric syncs")
+    add("--out", type=Path, default=None, help="checkpoints + metrics.jsonl")
+    add("--resume", action="store_true", help="continue from the last checkpoint")
+    add("--checkpoint-interval", type=int_arg(0), default=0, help="0: save at the end only")
+    add("--stop-at", type=int_arg(1), default=None, help="save and stop after this step")
+    add("--data", type=Path, default=DATA_FILE, help="any text file")
+    add("--threads", type=int_arg(0, 4096), default=0, help="CPU threads per rank (0: cores/ranks)")
+    add("--timeout", type=real_arg(0.0, 2**31 - 1, above=True), default=300.0, help="seconds")
+    add(
         "--trace-nonfinite",
         action="store_true",
         help="name the first module whose forward output overflowed in skip reports",
     )
     args = p.parse_args(argv)
     if args.resume and args.out is None:
-        p.error("--resume needs --out DIR (where the checkpoints are)")
-    for name in ("steps", "batch_size", "log_interval", "grad_accum"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+        p.error("argument --resume: needs --out DIR (where the checkpoints are)")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        p.error(f"argument --out: {str(args.out)!r} exists and is not a directory")
+    if args.stop_at is not None and args.stop_at > args.steps:
+        p.error(f"argument --stop-at: expected a step in [1, --steps={args.steps}], "
+                f"got {args.stop_at}")  # fmt: skip
+    try:
+        world = detect_environment().world_size  # pure: reads the launcher's variables
+    except ValueError as exc:
+        p.error(f"launcher environment: {exc}")
+    _check_data(p, args.data, args.batch_size * world + GPTConfig().context + 1)
     return args
+
+
+def _check_data(p: argparse.ArgumentParser, path: Path, needed: int) -> None:
+    """--data must be a readable file long enough for one batch on every rank."""
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        p.error(f"argument --data: {str(path)!r} {what}; expected a readable text file")
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            f.read(1)
+    except OSError as exc:
+        p.error(f"argument --data: {str(path)!r} cannot be read ({exc.strerror})")
+    if size < needed:
+        p.error(f"argument --data: {str(path)!r} holds {size} bytes; this run needs at least "
+                f"{needed} (batch size x ranks + context + 1)")  # fmt: skip
 
 
 def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:

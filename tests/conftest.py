@@ -1,4 +1,13 @@
-"""Shared fixtures: fail a test that leaks a process group or launcher environment variables."""
+"""Shared fixtures and settings.
+
+- Fail a test that leaks a process group or launcher environment variables.
+- Hypothesis profiles: ``ci`` (the default) is derandomized, so every run of the suite draws the
+  same examples and a red CI means a real regression; ``campaign`` draws many thousands of fresh
+  examples per property, to be run before a release:
+  ``pytest tests/test_bad_input.py --hypothesis-profile=campaign --hypothesis-show-statistics``
+  (or ``DISTAMP_HYPOTHESIS_PROFILE=campaign``). Cases a campaign finds are pinned with
+  ``@example`` in the test itself, so that ``ci`` checks them on every run.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
+from hypothesis import HealthCheck, settings
+
+_HYPOTHESIS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+settings.register_profile("ci", derandomize=True, max_examples=150, database=None, **_HYPOTHESIS)
+settings.register_profile("campaign", max_examples=2000, database=None, **_HYPOTHESIS)
+settings.load_profile(os.environ.get("DISTAMP_HYPOTHESIS_PROFILE", "ci"))
 
 _WATCHED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DISTAMP_LAUNCHER")
 

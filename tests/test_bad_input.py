@@ -10,71 +10,134 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import math
+import numbers
+import re
 import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from _dist import run_ranks
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 from torch import nn
 
-from distamp import DistributedGradScaler
+from distamp import (
+    AutocastPolicy,
+    DistributedGradScaler,
+    ScaleUnderflowError,
+    detect_environment,
+    init_distributed,
+)
+from distamp.cli import main as cli_main
 from distamp.engine import DistAMP
 from distamp.engine.checkpoint import CheckpointError
 from distamp.parallel.strategies import STRATEGIES
 
-# Values of every kind, valid or not: each field gets its plausible values and the others.
+
+# Values of every kind, valid or not: each field gets its plausible values and the others, as
+# Python, numpy and 0-d tensor numbers (torch's GradScaler takes all three).
+def _numeric(values: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    def wrap(v: Any) -> st.SearchStrategy[Any]:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return st.just(v)
+        kinds: list[Any] = [v]
+        if isinstance(v, int) and -(2**63) <= v < 2**63:
+            kinds += [np.int64(v), torch.tensor(v)]
+        elif isinstance(v, float):
+            kinds += [np.float64(v), np.float32(v)]
+        return st.sampled_from(kinds)
+
+    return values.flatmap(wrap)
+
+
 JUNK = st.one_of(
     st.none(),
     st.booleans(),
-    st.integers(-(2**40), 2**40),
+    st.integers(-(2**70), 2**70),
     st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([1e-46, 1e-40, 1e-38, 3.5e38, 1e39, 2**31, 2**63, np.bool_(True)]),
     st.text(max_size=6),
     st.lists(st.integers(), max_size=2),
     st.just(object()),
+    st.just(torch.ones(2)),
 )
 
 
 def _maybe(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    return st.one_of(valid, valid, JUNK)  # valid values twice as likely as junk
+    return st.one_of(valid, valid, _numeric(JUNK))  # valid values twice as likely as junk
 
 
 SCALER_ARGS = st.fixed_dictionaries(
     {},
     optional={
-        "init_scale": _maybe(st.floats(1.0, 2.0**20)),
-        "growth_factor": _maybe(st.floats(1.01, 8.0)),
-        "backoff_factor": _maybe(st.floats(0.01, 0.99)),
-        "growth_interval": _maybe(st.integers(1, 5000)),
+        "init_scale": _maybe(_numeric(st.floats(1e-38, 3.4e38))),
+        "growth_factor": _maybe(_numeric(st.floats(1.0, 1e40))),
+        "backoff_factor": _maybe(_numeric(st.floats(0.0, 1.0))),
+        "growth_interval": _maybe(_numeric(st.integers(1, 2**32))),
         "enabled": _maybe(st.booleans()),
-        "hysteresis": _maybe(st.integers(1, 8)),
-        "min_scale": _maybe(st.one_of(st.none(), st.floats(1e-4, 1.0))),
-        "max_scale": _maybe(st.one_of(st.none(), st.floats(2.0**20, 2.0**30))),
+        "hysteresis": _maybe(_numeric(st.integers(1, 2**32))),
+        "min_scale": _maybe(st.one_of(st.none(), _numeric(st.floats(1e-40, 1.0)))),
+        "max_scale": _maybe(st.one_of(st.none(), _numeric(st.floats(2.0**20, 1e39)))),
         "sync_free": _maybe(st.booleans()),
         "device": _maybe(st.sampled_from(["cpu", "cuda", "meta", "tpu", "cpu:0"])),
     },
 )
+F32 = torch.finfo(torch.float32)
 
 
-def _one_step(scaler: DistributedGradScaler) -> None:
-    """A real fp16-style step: a constructed scaler must work, not fail later inside torch."""
+def _steps(scaler: DistributedGradScaler, overflows: int = 3) -> None:
+    """Real fp16-style steps, some overflowing: a constructed scaler must work (not fail later
+    inside torch) and keep a normal float32 scale and finite weights (no silent corruption);
+    the only error allowed is ScaleUnderflowError, the scale at its floor."""
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
-    scaler.step(opt)
-    scaler.update()
-    assert math.isfinite(scaler.get_scale())
+    if not scaler.is_enabled():
+        overflows = 0  # disabled: plain fp32 training, an inf loss would be the caller's NaN
+    for k in range(overflows + 2):
+        opt.zero_grad()
+        loss = model(torch.ones(2, 3)).sum() * (math.inf if 0 < k <= overflows else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        try:
+            scaler.update()
+            scale = scaler.get_scale()
+        except ScaleUnderflowError:
+            event("ScaleUnderflowError at the floor")
+            scale = scaler.state_dict().get("scale", 1.0)  # the flag was consumed: no raise
+        assert F32.tiny <= scale <= F32.max, f"scale {scale!r} left normal float32"
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    sd = scaler.state_dict()
+    assert all(v is None or type(v) in (int, float) for v in sd.values()), sd
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == sd
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(SCALER_ARGS)
+@example({"init_scale": 3.5e38, "max_scale": 1e40})
+@example({"hysteresis": 2**31})
+@example({"growth_interval": 2**63})
+@example({"init_scale": 1e-46})
+@example({"init_scale": 1e-40})
+@example({"backoff_factor": 1e-50})
+@example({"backoff_factor": 1e-50, "hysteresis": 2})
+@example({"backoff_factor": 1e-50, "min_scale": 1e-30, "init_scale": 1.0})
+@example({"growth_interval": np.int64(5), "init_scale": np.float32(8.0)})
+@example({"growth_interval": torch.tensor(5), "hysteresis": torch.tensor(2)})
+@example({"init_scale": F32.max, "growth_factor": 1e38, "growth_interval": 1})
+@example({"init_scale": F32.tiny, "sync_free": True})
+@example({"enabled": False})
 def test_fuzzed_scaler_arguments(kwargs: dict[str, Any]) -> None:
+    kwargs = dict(kwargs)
     device = kwargs.pop("device", "cpu")
     try:
         scaler = DistributedGradScaler(device, **kwargs)
@@ -86,7 +149,97 @@ def test_fuzzed_scaler_arguments(kwargs: dict[str, Any]) -> None:
     event("constructed, stepped")
     if scaler.is_enabled() and torch.device(device).type != "cpu":
         return  # a valid device this machine lacks: nothing to step on
-    _one_step(scaler)
+    _steps(scaler)
+
+
+def test_numpy_and_tensor_numbers_train_like_python_ones() -> None:
+    """The issue's numpy rows: accepted like torch.amp.GradScaler, same trajectory."""
+    kinds = [
+        dict(growth_interval=np.int64(2), init_scale=np.float32(8.0)),
+        dict(growth_interval=torch.tensor(2), init_scale=torch.tensor(8.0)),
+    ]
+    plain = DistributedGradScaler("cpu", growth_interval=2, init_scale=8.0)
+    _steps(plain, overflows=1)
+    for kw in kinds:
+        ours = DistributedGradScaler("cpu", **kw)
+        _steps(ours, overflows=1)
+        assert ours.state_dict() == plain.state_dict()
+    amp = DistAMP("fp16", strategy="none", grad_accum_steps=np.int64(2))
+    amp2 = DistAMP("fp16", strategy="none", max_grad_norm=np.float32(1.0))
+    assert type(amp.config.grad_accum_steps) is int and type(amp2.config.max_grad_norm) is float
+
+
+def test_backoff_to_zero_stops_at_the_floor_and_raises() -> None:
+    """torch's scaler goes to 0 (then NaN weights); ours stops at the smallest normal float32."""
+    ref = torch.amp.GradScaler("cpu", backoff_factor=1e-50)
+    ours = DistributedGradScaler("cpu", backoff_factor=1e-50)
+    for scaler in (ref, ours):
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.scale(model(torch.ones(1, 3)).sum() * math.inf).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert ref.get_scale() == 0.0  # what the issue reported, and why the floor exists
+    assert ours.get_scale() == F32.tiny
+    with pytest.raises(ScaleUnderflowError, match="smallest normal float32"):
+        _overflow_twice()  # the second overflow arrives at the floor
+
+
+def _overflow_twice() -> None:
+    scaler = DistributedGradScaler("cpu", backoff_factor=1e-50)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(1, 3)).sum() * math.inf).backward()
+        scaler.step(opt)
+        scaler.update()
+    scaler.get_scale()
+
+
+STATE_VALUES = _numeric(
+    st.one_of(
+        st.integers(-(2**64), 2**64),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.sampled_from([1e39, 1e-40, 0.0, 2**31, 2**40, 2**63, None, "x", True]),
+    )
+)
+STATE_KEYS = st.sampled_from(
+    [
+        "scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "_growth_tracker",
+        "hysteresis",
+        "_hysteresis_tracker",
+        "skipped_steps",
+        "min_scale",
+        "max_scale",
+    ]
+)
+
+
+@given(st.dictionaries(STATE_KEYS, STATE_VALUES, min_size=1, max_size=3))
+@example({"scale": 1e39})
+@example({"_growth_tracker": 2**40})
+@example({"_growth_tracker": 2**31 - 1})
+@example({"_hysteresis_tracker": 2**31})
+@example({"skipped_steps": 2**63})
+@example({"scale": np.float32(8.0), "growth_interval": np.int64(3)})
+def test_fuzzed_state_dict_contents(changes: dict[str, Any]) -> None:
+    scaler = DistributedGradScaler("cpu", init_scale=32.0, hysteresis=2)
+    _steps(scaler, overflows=1)
+    before = scaler.state_dict()
+    try:
+        scaler.load_state_dict({**before, **changes})
+    except ValueError as exc:
+        assert any(f"state_dict['{k}']" in str(exc) for k in changes), f"unnamed key: {exc}"
+        assert scaler.state_dict() == before  # nothing changed
+        event("rejected with ValueError")
+        return
+    event("loaded, stepped")
+    _steps(scaler)
 
 
 ENGINE_ARGS = st.fixed_dictionaries(
@@ -94,47 +247,198 @@ ENGINE_ARGS = st.fixed_dictionaries(
     optional={
         "precision": _maybe(st.sampled_from(["bf16", "fp16", "fp32", "16-mixed", torch.float16])),
         "strategy": _maybe(st.sampled_from(["auto", "none", "ddp", "fsdp", "fsdp2"])),
-        "grad_accum_steps": _maybe(st.integers(1, 4)),
-        "max_grad_norm": _maybe(st.one_of(st.none(), st.floats(0.1, 10.0))),
+        "grad_accum_steps": _maybe(_numeric(st.integers(1, 4))),
+        "max_grad_norm": _maybe(st.one_of(st.none(), _numeric(st.floats(0.1, 10.0)))),
         "timeout": _maybe(st.one_of(st.floats(1.0, 600.0), st.just(timedelta(seconds=-1)))),
         "device": _maybe(st.sampled_from(["cpu", "cpu:0", "cuda:7", "gpu"])),
         "comm_hook": _maybe(st.sampled_from([None, "fp16", "bf16", "powersgd", "zip"])),
-        "hsdp_shard_size": _maybe(st.one_of(st.none(), st.integers(1, 4))),
+        "hsdp_shard_size": _maybe(st.one_of(st.none(), _numeric(st.integers(1, 4)))),
         "policy": _maybe(st.sampled_from([None, "default", "fp32"])),
     },
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ENGINE_ARGS)
+@example({"grad_accum_steps": np.int64(2), "max_grad_norm": np.float32(1.0)})
+@example({"grad_accum_steps": 2**31})
+@example({"timeout": 1e300})
+@example({"device": 2**63})
 def test_fuzzed_engine_arguments(kwargs: dict[str, Any]) -> None:
     must_fail = [
         name for name, ok in _ENGINE_DOMAINS.items() if name in kwargs and not ok(kwargs[name])
     ]
     try:
-        DistAMP(**kwargs)
+        amp = DistAMP(**kwargs)
     except ValueError as exc:
         assert any(f"{name}=" in str(exc) for name in kwargs), f"unnamed field: {exc}"
         event("rejected with ValueError")
         return
     event("constructed")
     assert not must_fail, f"accepted invalid {must_fail}: {kwargs}"
+    for name in ("grad_accum_steps", "max_grad_norm", "timeout", "hsdp_shard_size"):
+        value = getattr(amp.config, name)
+        assert value is None or type(value) in (int, float), (name, value)
 
 
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def _integral(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.ndim == 0 and not v.is_floating_point() and v.dtype != torch.bool
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _real(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.ndim == 0 and v.dtype != torch.bool and math.isfinite(v.item())
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v))
 
 
 # Fields whose valid values are simple to state: an invalid one must be refused at construction.
 _ENGINE_DOMAINS: dict[str, Any] = {
     "strategy": lambda v: v in STRATEGIES,
-    "grad_accum_steps": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-    "max_grad_norm": lambda v: v is None or (_number(v) and v > 0),
-    "timeout": lambda v: (_number(v) and v > 0) or (isinstance(v, timedelta) and v > timedelta()),
-    "hsdp_shard_size": lambda v: (
-        v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+    "grad_accum_steps": lambda v: _integral(v) and 1 <= int(v) < 2**31,
+    "max_grad_norm": lambda v: v is None or (_real(v) and v > 0),
+    "timeout": lambda v: (
+        (_real(v) and 0 < v < 2**31) or (isinstance(v, timedelta) and v > timedelta())
     ),
+    "hsdp_shard_size": lambda v: v is None or (_integral(v) and 1 <= int(v) < 2**31),
 }
+
+
+@given(
+    st.one_of(st.sampled_from(["fp8", "bf16", "fp16", 16, 32]), _numeric(JUNK)),
+    st.one_of(st.none(), _numeric(st.integers(-5, 5000)), _numeric(JUNK)),
+)
+@example("fp8", np.int64(64))
+@example(np.int64(16), None)
+@example(torch.tensor(32), None)
+def test_fuzzed_policy_arguments(precision: Any, min_features: Any) -> None:
+    try:
+        policy = AutocastPolicy(precision, fp8_min_features=min_features)
+    except ValueError as exc:
+        assert "precision=" in str(exc) or "fp8_min_features" in str(exc), exc
+        event("rejected with ValueError")
+        return
+    event("constructed")
+    if policy.fp8 is not None:
+        assert type(policy.fp8.min_features) is int and policy.fp8.min_features >= 0
+
+
+# -------------------------------------------------------------------- launcher and environment
+LAUNCHER_VARS = st.sampled_from(
+    ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "GROUP_RANK",
+     "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_LOCALID", "SLURM_NODEID",
+     "SLURM_TASKS_PER_NODE", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE",
+     "DISTAMP_LAUNCHER"]
+)  # fmt: skip
+ENV_VALUES = st.one_of(
+    st.integers(-3, 5).map(str),
+    st.sampled_from(["abc", "99999", "-1", "1e3", " 2 ", "1_0", "", "9" * 40, "torchrun"]),
+    st.text(max_size=5),
+)
+
+
+@given(st.dictionaries(LAUNCHER_VARS, ENV_VALUES, max_size=6))
+@example({"RANK": "0", "WORLD_SIZE": "abc"})
+@example({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"})
+@example({"MASTER_PORT": "99999"})
+@example({"RANK": "0", "WORLD_SIZE": "0\x1f"})
+@example({"RANK": "0", "WORLD_SIZE": "9" * 5000})
+@example({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_NODEID": "-1",
+          "SLURM_TASKS_PER_NODE": "2", "SLURM_LOCALID": "0"})  # fmt: skip
+def test_fuzzed_launcher_environment(env: dict[str, str]) -> None:
+    try:
+        found = detect_environment(env)
+    except ValueError as exc:
+        # It names a variable: one given, or one its launcher needs and that is missing.
+        assert re.search(r"\b[A-Z][A-Z_]+_?[A-Z]+\b", str(exc)), f"unnamed variable: {exc}"
+        event("rejected with ValueError")
+        return
+    event("detected")
+    assert 0 <= found.rank < found.world_size < 2**31
+    assert found.main_port is None or 0 < found.main_port < 65536
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"RANK": "0", "WORLD_SIZE": "abc"}, r"WORLD_SIZE='abc' is not an integer"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, r"LOCAL_RANK=-1 is out of range"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"}, r"MASTER_PORT=99999 .*1-65535"),
+    ],
+)
+def test_init_distributed_refuses_bad_variables_before_any_group(
+    env: dict[str, str], match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=match):
+        init_distributed(timeout=5)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="timeout"):
+        init_distributed(timeout=math.nan)
+
+
+TRAIN_FLAGS = st.sampled_from(
+    ["--steps", "--precision", "--strategy", "--grad-accum", "--max-grad-norm", "--seed",
+     "--batch-size", "--lr", "--warmup", "--log-interval", "--checkpoint-interval", "--stop-at",
+     "--threads", "--timeout", "--fp8-recipe", "--fp8-min-features", "--data"]
+)  # fmt: skip
+ARG_VALUES = st.one_of(
+    st.integers(-(2**40), 2**40).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(str),
+    st.sampled_from(["fp16", "fp17", "ddp", "rowwise", "abc", "", "/nonexistent", "launch"]),
+)
+
+
+@given(st.lists(st.tuples(TRAIN_FLAGS, ARG_VALUES), max_size=4))
+@example([("--precision", "fp17")])
+@example([("--warmup", "-5")])
+@example([("--steps", "3"), ("--stop-at", "10")])
+@example([("--threads", "-1")])
+@example([("--data", "/nonexistent")])
+def test_fuzzed_main_job_arguments(pairs: list[tuple[str, str]]) -> None:
+    """launch/train.py's parser: a usage error (exit 2) naming an argument, or values that mean
+    something; never a traceback (parse() runs before any process group)."""
+    from launch.train import parse
+
+    argv = [f"{flag}={value}" for flag, value in pairs]
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = parse(argv)
+    except SystemExit as exc:
+        assert exc.code == 2
+        assert "argument --" in stderr.getvalue() or "launcher" in stderr.getvalue()
+        event("usage error")
+        return
+    event("parsed")
+    assert args.steps >= 1 and args.warmup >= 0 and args.threads >= 0
+    assert args.stop_at is None or 1 <= args.stop_at <= args.steps
+    assert math.isfinite(args.lr) and args.lr > 0 and args.data.is_file()
+
+
+LAUNCH_FLAGS = st.sampled_from(["--nnodes", "--nproc-per-node", "--node-rank", "--rdzv-endpoint"])
+
+
+@given(st.lists(st.tuples(LAUNCH_FLAGS, ARG_VALUES), max_size=3), st.booleans())
+@example([("--nproc-per-node", "1")], False)
+@example([("--node-rank", "3"), ("--nnodes", "2")], True)
+@example([("--rdzv-endpoint", "host:99999")], True)
+def test_fuzzed_launcher_arguments(pairs: list[tuple[str, str]], dry_run: bool) -> None:
+    """``distamp launch``: exit 2 with a usage error, or a command; the script missing.py does
+    not exist, so only --dry-run may get past the checks."""
+    argv = ["launch", *(f"{flag}={value}" for flag, value in pairs)]
+    argv += ["--dry-run", "t.py"] if dry_run else ["missing.py"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(argv)
+    if code == 2:
+        assert "distamp launch: error: " in err.getvalue()
+        event("usage error")
+        return
+    event("command printed")
+    assert code == 0 and dry_run and out.getvalue().strip()
 
 
 # ---------------------------------------------------------------------------------- checkpoints

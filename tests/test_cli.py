@@ -197,6 +197,9 @@ def test_usage_errors_and_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == "distamp " + (_installed() or "unknown")
     assert main(["launch", "--launcher", "pbs", "t.py"]) == 2
     assert main(["launch", "--launcher", "single", "--nproc-per-node", "2", "t.py"]) == 2
+    assert "argument script: 't.py' does not exist" in capsys.readouterr().err
+    argv = ["launch", "--launcher", "single", "--nproc-per-node", "2", "--dry-run", "t.py"]
+    assert main(argv) == 2
     assert "one process" in capsys.readouterr().err
     assert main([]) == 2
 

@@ -71,7 +71,11 @@ def detect_environment(env: Mapping[str, str] | None = None) -> DistEnv:
         chosen = matches[0]
     found = chosen.read(env)
     address = env.get("MASTER_ADDR", "").strip() or found.main_address
-    port = read_int(env, "MASTER_PORT") if env.get("MASTER_PORT", "").strip() else found.main_port
+    port = (
+        read_int(env, "MASTER_PORT", low=-(2**63), high=2**63)  # range checked below, as a port
+        if env.get("MASTER_PORT", "").strip()
+        else found.main_port
+    )
     if port is not None and not 0 < port < 65536:
-        raise ValueError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
+        raise ValueError(f"MASTER_PORT={port} is not a TCP port (expected 1-65535)")
     return dataclasses.replace(found, main_address=address, main_port=port)

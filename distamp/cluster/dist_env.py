@@ -28,6 +28,14 @@ class DistEnv:
 
     def __post_init__(self) -> None:
         # A backstop for hand-built values; detection already names the offending variable.
+        for name in ("rank", "world_size", "local_rank", "local_world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"DistEnv({name}={value!r}): must be an int")
+        for name in ("node_rank", "main_port"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"DistEnv({name}={value!r}): must be an int or None")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"DistEnv: need 0 <= rank={self.rank} < world_size={self.world_size}")
         if not 0 <= self.local_rank < self.local_world_size <= self.world_size:

@@ -8,6 +8,8 @@ launcher and the fix.
 from __future__ import annotations
 
 import gc
+import math
+import numbers
 import os
 import threading
 from collections.abc import Iterator
@@ -57,8 +59,15 @@ def init_distributed(
     Raises:
         RendezvousError: the ranks did not meet within ``timeout``.
         ImportError: an MPI launcher gave no main address and mpi4py is not installed.
+        ValueError: a bad ``timeout``, ``backend`` or ``env``, or a launcher variable that
+            :func:`detect_environment` refuses (checked before any rendezvous starts).
     """
+    seconds = _timeout_seconds(timeout)  # checked before anything is joined or detected
+    if backend is not None and not isinstance(backend, str):
+        raise ValueError(f"backend={backend!r} must be a torch.distributed backend name or None")
     env = detect_environment() if env is None else env
+    if not isinstance(env, DistEnv):
+        raise ValueError(f"env={env!r} must be a distamp DistEnv (from detect_environment) or None")
     if is_distributed():
         return _describe_live_group(env, dist.get_rank(), dist.get_world_size())
     if not env.is_distributed:
@@ -79,7 +88,6 @@ def init_distributed(
             )
     if env.main_address is None or env.main_port is None:
         env = share_main_address(env)
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     host = f"[{env.main_address}]" if ":" in str(env.main_address) else env.main_address
     message = _rendezvous_message(env, seconds)
     # torch 2.13 bounds both sides of the TCPStore rendezvous (measured with timeout=5: rank 0 alone
@@ -109,6 +117,21 @@ def init_distributed(
             cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RendezvousError(f"{message} (cause: {cause})") from exc
     return env
+
+
+def _timeout_seconds(timeout: Any) -> float:
+    """``timeout`` (seconds as any real number, or a timedelta) as float seconds, or a
+    ``ValueError``: it must be finite, > 0 and at most 2**31 - 1 (68 years), so that the
+    rendezvous store, torch's collectives and the watchdog timer can all hold it."""
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, torch.Tensor) and seconds.ndim == 0 and not seconds.is_complex():
+        seconds = seconds.item()
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise ValueError(f"timeout={timeout!r} must be a number of seconds or a timedelta")
+    value = float(seconds)
+    if not (math.isfinite(value) and 0 < value <= 2**31 - 1):
+        raise ValueError(f"timeout={timeout!r} must be a number of seconds in (0, 2147483647]")
+    return value
 
 
 def _elastic_round_store(env: DistEnv, seconds: float) -> Any:

@@ -1,8 +1,19 @@
 """The engine's settings, validated before anything is built: :class:`AMPConfig`.
 
 Every bad value is rejected when ``DistAMP(...)`` is constructed, with a ``ValueError`` naming
-the field, so that no rank discovers a typo after it joined a process group. Number checks are
-:func:`distamp.scaler.config.check_number`'s, the same as the scaler's.
+the field, so that no rank discovers a typo after it joined a process group. Numbers are
+accepted as the scaler accepts them (:func:`distamp.scaler.config.as_real`/``as_integer``): any
+``numbers.Real``/``numbers.Integral``, numpy scalars and 0-d tensors included, ``bool`` refused,
+and kept as plain Python numbers.
+
+============================  ===========================================
+field                         accepted
+============================  ===========================================
+``grad_accum_steps``          integer in [1, 2**31 - 1]
+``max_grad_norm``             None, or a finite real > 0
+``timeout``                   finite real > 0 seconds, at most 2**31 - 1 (or a ``timedelta``)
+``hsdp_shard_size``           None, or an integer in [1, 2**31 - 1]
+============================  ===========================================
 """
 
 from __future__ import annotations
@@ -14,10 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from distamp.arguments import INT32_MAX, as_integer, as_real
 from distamp.parallel.strategies import COMM_HOOKS, SHARDED, STRATEGIES
 from distamp.precision.policy import AutocastPolicy, Precision
 from distamp.scaler import DistributedGradScaler
-from distamp.scaler.config import check_number
 
 __all__ = [
     "AMPConfig",
@@ -80,23 +91,36 @@ class AMPConfig:
                 f"comm_hook={self.comm_hook!r} with strategy={self.strategy!r}: comm hooks are "
                 "DDP's; use strategy='ddp' (or 'auto') or comm_hook=None"
             )
-        if _number("grad_accum_steps", self.grad_accum_steps, integer=True) < 1:
-            raise ValueError(f"grad_accum_steps={self.grad_accum_steps!r} must be an int >= 1")
+        n = _integer("grad_accum_steps", self.grad_accum_steps)
+        if not 1 <= n <= INT32_MAX:
+            raise ValueError(f"grad_accum_steps={n!r} must be an int in [1, {INT32_MAX}]")
+        object.__setattr__(self, "grad_accum_steps", n)  # a plain int whatever was passed
         g = self.max_grad_norm
-        if g is not None and _number("max_grad_norm", g) <= 0:
-            raise ValueError(f"max_grad_norm={g!r} must be a finite number > 0, or None")
+        if g is not None:
+            g = _real("max_grad_norm", g)
+            if g <= 0:
+                raise ValueError(f"max_grad_norm={g!r} must be a finite number > 0, or None")
+            object.__setattr__(self, "max_grad_norm", g)
         if self.scaler is not None and not isinstance(self.scaler, DistributedGradScaler):
             raise ValueError(
                 f"scaler={self.scaler!r} must be a distamp.DistributedGradScaler (or None): the "
                 "engine reads its rank-agreed skip decision, which torch's scalers do not provide"
             )
-        if _number("timeout", self.timeout) <= 0:
-            raise ValueError(f"timeout={self.timeout!r} must be a number of seconds > 0")
+        t = _real("timeout", self.timeout)
+        # Bounded (68 years) so that timedelta, the store and the rendezvous watchdog all hold it.
+        if not 0 < t <= INT32_MAX:
+            raise ValueError(f"timeout={t!r} must be a number of seconds in (0, {INT32_MAX}]")
+        object.__setattr__(self, "timeout", t)
         h = self.hsdp_shard_size
         # Checked here, not when the mesh is built: a bad value must fail before any rank joins
         # a process group, not inside DeviceMesh on some ranks.
-        if h is not None and _number("hsdp_shard_size", h, integer=True) < 1:
-            raise ValueError(f"hsdp_shard_size={h!r} must be an int >= 1, or None")
+        if h is not None:
+            h = _integer("hsdp_shard_size", h)
+            if not 1 <= h <= INT32_MAX:
+                raise ValueError(
+                    f"hsdp_shard_size={h!r} must be an int in [1, {INT32_MAX}], or None"
+                )
+            object.__setattr__(self, "hsdp_shard_size", h)
         if self.mesh is not None:
             from torch.distributed.device_mesh import DeviceMesh
 
@@ -116,14 +140,22 @@ def parse_device(device: str | torch.device | None) -> torch.device | None:
         return device
     try:
         return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:  # 2**63: ValueError
         raise ValueError(f"device={device!r} is not a torch device: {exc}") from None
 
 
-def _number(name: str, value: Any, *, integer: bool = False) -> float:
-    """:func:`check_number`, its message led by ``name=value`` as the engine's other errors."""
+def _real(name: str, value: Any) -> float:
+    """:func:`as_real`, its message led by ``name=value`` as the engine's other errors."""
     try:
-        return check_number(name, value, integer=integer)
+        return as_real(name, value)
+    except ValueError as exc:
+        raise ValueError(f"{name}={value!r}: {exc}") from None
+
+
+def _integer(name: str, value: Any) -> int:
+    """:func:`as_integer`, its message led by ``name=value`` as the engine's other errors."""
+    try:
+        return as_integer(name, value)
     except ValueError as exc:
         raise ValueError(f"{name}={value!r}: {exc}") from None
 

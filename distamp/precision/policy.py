@@ -25,6 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from distamp.arguments import integer_or_none
 from distamp.precision.adaptive import AdaptivePrecision, AdaptiveRules
 from distamp.precision.fp8_select import Float8Settings
 
@@ -108,8 +109,8 @@ def parse_precision(value: PrecisionLike | Any) -> Precision:
     if isinstance(value, torch.dtype):
         if value in _DTYPES:
             return _DTYPES[value]
-    elif isinstance(value, int) and not isinstance(value, bool) and str(value) in _SPELLINGS:
-        return _SPELLINGS[str(value)]
+    elif integer_or_none(value) is not None and str(integer_or_none(value)) in _SPELLINGS:
+        return _SPELLINGS[str(integer_or_none(value))]
     elif isinstance(value, str) and value.strip().lower() in _SPELLINGS:
         return _SPELLINGS[value.strip().lower()]
     raise ValueError(
@@ -313,6 +314,8 @@ class AutocastPolicy:
     ) -> None:
         self.precision = parse_precision(precision)
         self.adaptive = AdaptivePrecision.from_arg(adaptive, self.precision.name)
+        if fp8_min_features is not None and integer_or_none(fp8_min_features) is not None:
+            fp8_min_features = integer_or_none(fp8_min_features)  # numpy / 0-d tensor: a plain int
         fp8_options = {
             "recipe": recipe,
             "fp8_min_features": fp8_min_features,

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from distamp.arguments import as_real
 from distamp.kernels import unscale_check_sumsq_
 from distamp.observe.diagnostics import OverflowRecorder
 from distamp.parallel.topology import grad_device, optimizer_params
@@ -46,9 +47,12 @@ EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: keeps the coefficient finite fo
 
 def check_clip_args(max_norm: Any, norm_type: Any) -> tuple[float, float]:
     """Validate ``max_norm`` (finite, > 0) and ``norm_type`` (>= 1 or inf); return floats."""
-    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"`{name}` must be a number, got {value!r}")
+    # Numbers as torch takes them (numpy scalars, 0-d tensors); Python floats as they are, so
+    # that inf and nan reach the range checks below and their messages.
+    if not isinstance(norm_type, float):
+        norm_type = as_real("norm_type", norm_type)
+    if not isinstance(max_norm, float):
+        max_norm = as_real("max_norm", max_norm)
     if not (math.isfinite(max_norm) and max_norm > 0):
         raise ValueError(f"`max_norm` must be a finite number > 0, got {max_norm!r}")
     if not (norm_type >= 1 or norm_type == math.inf) or math.isnan(norm_type):

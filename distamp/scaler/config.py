@@ -1,31 +1,118 @@
 """Argument and state_dict validation for DistributedGradScaler.
 
 Kept apart from the state machine so that every bad value is rejected up front with a
-``ValueError`` naming the field, never later as a crash deep inside torch.
+``ValueError`` naming the field, never later as a crash deep inside torch. "Valid" means more
+than "a finite number": each value must fit where it is stored and survive the update rule.
+
+=========================  ====================================  ===============================
+field                      accepted                              why
+=========================  ====================================  ===============================
+``init_scale``/``scale``   normal float32, in [min, max scale]   kept in a float32 tensor
+``min_scale``/``max_scale`` None or normal float32, min <= max   compared with that tensor
+``growth_factor``          1 < x <= float32 max                  a larger one can never grow
+``backoff_factor``         0 < x < 1                             result clamped at the floor
+``growth_interval``        integer in [1, 2**31 - 1]             the tracker counting to it is
+                                                                 int32
+``hysteresis``             integer in [1, 2**31 - 1]             its tracker is int32
+``_growth_tracker``        integer in [0, 2**31 - 2]             int32 (torch's dtype), +1 a step
+``_hysteresis_tracker``    integer in [0, 2**31 - 1]             int32
+``skipped_steps``          integer in [0, 2**63 - 1]             int64
+=========================  ====================================  ===============================
+
+"normal float32" is ``torch.finfo(torch.float32).tiny <= x <= torch.finfo(torch.float32).max``
+(1.1754944e-38 to 3.4028235e38): a smaller value rounds to a subnormal or to 0 in the scale
+tensor, a larger one to inf. Numbers are accepted as torch accepts them: any ``numbers.Real``
+(``numbers.Integral`` for the integer fields), numpy scalars and 0-d tensors included, ``bool``
+refused; they are stored as plain Python ``float``/``int`` so that ``state_dict()`` loads with
+``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["check_device", "check_number", "validate_state_dict"]
+from distamp.arguments import INT32_MAX, INT64_MAX, as_integer, as_real
+
+__all__ = [
+    "INT32_MAX",
+    "INT64_MAX",
+    "SCALE_MAX",
+    "SCALE_MIN",
+    "as_integer",
+    "as_real",
+    "check_device",
+    "check_scaler_args",
+    "validate_state_dict",
+]
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _KNOWN_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "npu", "xla", "privateuseone")
 
+SCALE_MIN = float(torch.finfo(torch.float32).tiny)
+"""The smallest normal float32: the scale's floor when no ``min_scale`` is set."""
+SCALE_MAX = float(torch.finfo(torch.float32).max)
+"""The largest finite float32."""
+_SCALE_RANGE = f"a normal float32 in [{SCALE_MIN:.8g}, {SCALE_MAX:.8g}]"
 
-def check_number(name: str, value: Any, *, integer: bool = False) -> float:
-    """Return ``value`` as a float if it is a finite real (an int when ``integer``), else raise."""
-    ok_types = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, ok_types):
-        kind = "an int" if integer else "a number"
-        raise ValueError(f"`{name}` must be {kind}, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value):
-        raise ValueError(f"`{name}` must be finite, got {value!r}")
-    return float(value)
+
+def _in_range(name: str, value: float, low: float, high: float, what: str) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"`{name}` must be {what}, got {value!r}")
+
+
+def _scale_value(name: str, value: Any) -> float:
+    x = as_real(name, value)
+    _in_range(name, x, SCALE_MIN, SCALE_MAX, _SCALE_RANGE)
+    return x
+
+
+def _int_value(name: str, value: Any, low: int, high: int, why: str) -> int:
+    n = as_integer(name, value)
+    if not low <= n <= high:
+        raise ValueError(f"`{name}` must be an int in [{low}, {high}] ({why}), got {n!r}")
+    return n
+
+
+def _plain(key: str) -> str:
+    return key
+
+
+def _in_state(key: str) -> str:
+    return f"state_dict['{key}']"
+
+
+def _factors(growth: Any, backoff: Any, name: Callable[[str], str]) -> tuple[float, float]:
+    gname, bname = name("growth_factor"), name("backoff_factor")
+    g, b = as_real(gname, growth), as_real(bname, backoff)
+    if not 1.0 < g <= SCALE_MAX:
+        raise ValueError(
+            f"`{gname}` must be > 1 and <= {SCALE_MAX:.8g} (a larger factor overflows float32 "
+            f"at every growth), got {growth!r}"
+        )
+    if not 0.0 < b < 1.0:
+        raise ValueError(f"`{bname}` must be in (0, 1), got {backoff!r}")
+    return g, b
+
+
+def _bounds(low: Any, high: Any, name: Callable[[str], str]) -> tuple[float | None, float | None]:
+    lname, hname = name("min_scale"), name("max_scale")
+    lo = None if low is None else _scale_value(lname, low)
+    hi = None if high is None else _scale_value(hname, high)
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"`{lname}`={low!r} must be <= `{hname}`={high!r}")
+    return lo, hi
+
+
+def _scale_between(
+    scale: float, low: float | None, high: float | None, name: Callable[[str], str], key: str
+) -> None:
+    if low is not None and scale < low:
+        raise ValueError(f"`{name(key)}`={scale!r} is below `{name('min_scale')}`={low!r}")
+    if high is not None and scale > high:
+        raise ValueError(f"`{name(key)}`={scale!r} is above `{name('max_scale')}`={high!r}")
 
 
 def check_device(device: Any) -> str:
@@ -55,37 +142,39 @@ def check_scaler_args(
     max_scale: Any,
     sync_free: Any,
     check_only: Any = False,
-) -> None:
-    """Validate DistributedGradScaler's constructor arguments (raises ``ValueError``)."""
+) -> tuple[float, float, float, int]:
+    """Validate DistributedGradScaler's constructor arguments (raises ``ValueError``).
+
+    Returns:
+        ``(init_scale, growth_factor, backoff_factor, growth_interval)`` as plain Python numbers,
+        what torch's base class then stores (see the module doc for the ranges).
+    """
     for name, flag in (("enabled", enabled), ("sync_free", sync_free), ("check_only", check_only)):
         if not isinstance(flag, bool):
             raise ValueError(f"`{name}` must be a bool, got {flag!r}")
-    if check_number("init_scale", init_scale) <= 0:
-        raise ValueError(f"`init_scale` must be > 0, got {init_scale!r}")
-    if check_number("growth_factor", growth_factor) <= 1.0:
-        raise ValueError(f"`growth_factor` must be > 1.0, got {growth_factor!r}")
-    if not 0.0 < check_number("backoff_factor", backoff_factor) < 1.0:
-        raise ValueError(f"`backoff_factor` must be in (0, 1), got {backoff_factor!r}")
-    if check_number("growth_interval", growth_interval, integer=True) < 1:
-        raise ValueError(f"`growth_interval` must be >= 1, got {growth_interval!r}")
-    if check_number("hysteresis", hysteresis, integer=True) < 1:
-        raise ValueError(f"`hysteresis` must be >= 1, got {hysteresis!r}")
-    for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
-        if bound is not None and check_number(name, bound) <= 0:
-            raise ValueError(f"`{name}` must be > 0 or None, got {bound!r}")
-    if min_scale is not None and max_scale is not None and min_scale > max_scale:
-        raise ValueError(f"`min_scale`={min_scale!r} must be <= `max_scale`={max_scale!r}")
-    if min_scale is not None and init_scale < min_scale:
-        raise ValueError(f"`init_scale`={init_scale!r} is below `min_scale`={min_scale!r}")
-    if max_scale is not None and init_scale > max_scale:
-        raise ValueError(f"`init_scale`={init_scale!r} is above `max_scale`={max_scale!r}")
+    scale = _scale_value("init_scale", init_scale)
+    growth, backoff = _factors(growth_factor, backoff_factor, _plain)
+    interval = _int_value("growth_interval", growth_interval, 1, INT32_MAX, "counted in int32")
+    _int_value("hysteresis", hysteresis, 1, INT32_MAX, "its tracker is int32")
+    low, high = _bounds(min_scale, max_scale, _plain)
+    _scale_between(scale, low, high, _plain, "init_scale")
+    return scale, growth, backoff, interval
 
 
-def validate_state_dict(state_dict: Any, *, default_hysteresis: int) -> dict[str, Any]:
-    """Check a scaler state_dict and return it normalised, with distamp's keys filled in.
+def validate_state_dict(
+    state_dict: Any,
+    *,
+    default_hysteresis: int,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+) -> dict[str, Any]:
+    """Check a scaler state_dict and return it normalised to plain Python numbers, with
+    distamp's keys filled in.
 
     Accepts the state of a DistributedGradScaler or of ``torch.amp.GradScaler`` (which lacks
-    distamp's keys: hysteresis, its tracker, the bounds, the skip counter).
+    distamp's keys: hysteresis, its tracker, the bounds, the skip counter). The ranges are the
+    constructor's (module doc); ``scale`` must also lie within the bounds the scaler will have
+    after loading (the state's own, else ``min_scale``/``max_scale``).
     """
     if not isinstance(state_dict, dict):
         raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
@@ -104,25 +193,20 @@ def validate_state_dict(state_dict: Any, *, default_hysteresis: int) -> dict[str
     sd.setdefault("hysteresis", default_hysteresis)
     sd.setdefault("_hysteresis_tracker", sd["hysteresis"])
     sd.setdefault("skipped_steps", 0)
-    rules: tuple[tuple[str, bool, float, str], ...] = (
-        # key, integer, lower bound, comparison
-        ("scale", False, 0.0, ">"),
-        ("growth_factor", False, 1.0, ">"),
-        ("growth_interval", True, 1.0, ">="),
-        ("_growth_tracker", True, 0.0, ">="),
-        ("hysteresis", True, 1.0, ">="),
-        ("_hysteresis_tracker", True, 0.0, ">="),
-        ("skipped_steps", True, 0.0, ">="),
+    sd.setdefault("min_scale", min_scale)
+    sd.setdefault("max_scale", max_scale)
+    sd["scale"] = _scale_value(_in_state("scale"), sd["scale"])
+    sd["growth_factor"], sd["backoff_factor"] = _factors(
+        sd["growth_factor"], sd["backoff_factor"], _in_state
     )
-    for key, integer, low, op in rules:
-        value = check_number(f"state_dict['{key}']", sd[key], integer=integer)
-        if (value <= low) if op == ">" else (value < low):
-            raise ValueError(f"state_dict['{key}'] must be {op} {low:g}, got {sd[key]!r}")
-    if not 0 < check_number("state_dict['backoff_factor']", sd["backoff_factor"]) < 1:
-        raise ValueError(
-            f"state_dict['backoff_factor'] must be in (0, 1), got {sd['backoff_factor']!r}"
-        )
-    for key in ("min_scale", "max_scale"):
-        if sd.get(key) is not None and check_number(f"state_dict['{key}']", sd[key]) <= 0:
-            raise ValueError(f"state_dict['{key}'] must be > 0 or None, got {sd[key]!r}")
+    for name, low, high, why in (
+        ("growth_interval", 1, INT32_MAX, "counted in int32"),
+        ("_growth_tracker", 0, INT32_MAX - 1, "int32, incremented at each update"),
+        ("hysteresis", 1, INT32_MAX, "its tracker is int32"),
+        ("_hysteresis_tracker", 0, INT32_MAX, "int32"),
+        ("skipped_steps", 0, INT64_MAX, "int64"),
+    ):
+        sd[name] = _int_value(_in_state(name), sd[name], low, high, why)
+    sd["min_scale"], sd["max_scale"] = _bounds(sd["min_scale"], sd["max_scale"], _in_state)
+    _scale_between(sd["scale"], sd["min_scale"], sd["max_scale"], _in_state, "scale")
     return sd

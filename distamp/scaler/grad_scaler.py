@@ -110,7 +110,7 @@ class DistributedGradScaler(ScalerReporting):
         check_only: bool = False,
     ) -> None:
         device = check_device(device)
-        check_scaler_args(
+        init_scale, growth_factor, backoff_factor, growth_interval = check_scaler_args(
             init_scale=init_scale,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
@@ -472,6 +472,6 @@ class DistributedGradScaler(ScalerReporting):
 
     def get_scale(self) -> float:
         """The current scale as a Python float (one host sync)."""
-        if self._sync_free and self._min_scale is not None:
+        if self._sync_free or self._min_scale is None:  # else update() raised it already
             self._counters.raise_if_underflow(self._min_scale)
         return super().get_scale()

@@ -110,7 +110,10 @@ class ScalerReporting(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """torch's keys plus hysteresis, bounds and the skip counter; identical on every rank."""
+        """torch's keys plus hysteresis, bounds and the skip counter; identical on every rank.
+
+        Plain Python numbers only (the constructor normalised numpy and tensor arguments), so
+        ``torch.load(..., weights_only=True)`` reads it back. Host sync (reads the scale)."""
         if not self._enabled:
             return {}
         sd = super().state_dict()
@@ -125,18 +128,24 @@ class ScalerReporting(torch.amp.GradScaler):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state from this class or from ``torch.amp.GradScaler.state_dict()``.
 
-        Works before the first ``scale()``. Malformed input raises ``ValueError`` naming the key,
-        and nothing is changed.
+        Works before the first ``scale()``. Malformed input, or a value that does not fit where
+        it is kept (a scale outside normal float32 or outside the bounds, a tracker beyond int32:
+        the ranges of :mod:`distamp.scaler.config`), raises ``ValueError`` naming the key, and
+        nothing is changed: every value is checked before the first one is set. A state without
+        bounds (torch's) keeps this scaler's.
         """
         if not self._enabled:
             return
-        sd = validate_state_dict(state_dict, default_hysteresis=self._hysteresis)
+        sd = validate_state_dict(
+            state_dict,
+            default_hysteresis=self._hysteresis,
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
+        )
         super().load_state_dict(sd)
-        self._hysteresis = int(sd["hysteresis"])
+        self._hysteresis = sd["hysteresis"]
         self._counters.load(sd["_hysteresis_tracker"], sd["skipped_steps"])
-        for key in ("min_scale", "max_scale"):
-            if key in state_dict:
-                setattr(self, f"_{key}", None if sd[key] is None else float(sd[key]))
+        self._min_scale, self._max_scale = sd["min_scale"], sd["max_scale"]
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

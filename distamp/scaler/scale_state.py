@@ -14,11 +14,14 @@ from typing import Any
 
 import torch
 
+from distamp.scaler.config import SCALE_MIN
+
 __all__ = ["ScaleState", "ScaleUnderflowError"]
 
 
 class ScaleUnderflowError(RuntimeError):
-    """The loss scale hit ``min_scale`` and the gradients still overflow."""
+    """The loss scale hit its floor (``min_scale``, else the smallest normal float32) and the
+    gradients still overflow."""
 
 
 class ScaleState:
@@ -29,6 +32,7 @@ class ScaleState:
     """
 
     def __init__(self, hysteresis: int) -> None:
+        # Plain ints, range-checked by distamp.scaler.config: the tensors below are int32/int64.
         self.init_hysteresis = int(hysteresis)  # the tracker's value until the tensors exist
         self.init_skipped = 0
         self.hysteresis: torch.Tensor | None = None
@@ -83,12 +87,22 @@ class ScaleState:
             self.hysteresis.fill_(self.init_hysteresis)
             self.skipped.fill_(self.init_skipped)
 
-    def raise_if_underflow(self, min_scale: float) -> None:
-        """Raise :class:`ScaleUnderflowError` if an overflow arrived at the floor (host sync)."""
+    def raise_if_underflow(self, min_scale: float | None) -> None:
+        """Raise :class:`ScaleUnderflowError` if an overflow arrived at the floor (host sync).
+
+        ``min_scale`` None: the floor is the smallest normal float32, where the scale stops
+        instead of becoming subnormal or 0 (see :mod:`distamp.scaler.scale_update`).
+        """
         if self.underflow is not None and bool(self.underflow.item()):  # host sync
             self.underflow.zero_()
+            where = (
+                f"min_scale={min_scale}"
+                if min_scale is not None
+                else f"its floor, the smallest normal float32 ({SCALE_MIN:.8g}; set min_scale "
+                "to stop earlier)"
+            )
             raise ScaleUnderflowError(
-                f"the loss scale is at min_scale={min_scale} and gradients still overflow. "
+                f"the loss scale is at {where} and gradients still overflow. "
                 "Likely causes: NaN/inf in the inputs or the loss itself (check the batch), a "
                 "diverged model (lower the learning rate), or fp16 overflow in activations (use "
                 "precision='bf16', or keep the overflowing module in fp32 with an AutocastPolicy)."

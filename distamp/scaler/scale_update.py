@@ -1,7 +1,19 @@
 """The loss-scale state update, on device: growth, backoff, hysteresis and bounds.
 
 A pure function of tensors so that it never syncs the host and can be captured in a CUDA graph.
-With ``hysteresis=1`` and no bounds it reproduces ``torch._amp_update_scale_`` exactly.
+With ``hysteresis=1`` and no bounds it reproduces ``torch._amp_update_scale_`` exactly for every
+scale torch keeps normal; where torch's would leave the float32 range, this one stops:
+
+- a backoff never takes the scale below its floor, ``min_scale`` or else the smallest normal
+  float32 (``torch.finfo(torch.float32).tiny``): the result is *clamped*, so a tiny
+  ``backoff_factor`` or a long run of overflows cannot make the scale subnormal or 0 (torch's
+  becomes 0 and the weights NaN). An overflow that arrives while the scale already sits at the
+  floor is reported (the returned flag), and the scaler raises ``ScaleUnderflowError``;
+- a growth that would overflow float32 leaves the scale where it is (torch's rule), and a
+  ``max_scale`` clamps growth below it.
+
+This is the only scale update of the package: the sync-free path runs the same ``update()``, and
+the fused kernels (:mod:`distamp.kernels`) only unscale and check, they never update the scale.
 """
 
 from __future__ import annotations
@@ -9,6 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from distamp.arguments import as_integer, as_real
+from distamp.scaler.config import SCALE_MIN
 
 __all__ = ["ScaleRule", "update_scale_"]
 
@@ -29,6 +44,21 @@ class ScaleRule:
     min_scale: float | None
     max_scale: float | None
 
+    def __post_init__(self) -> None:
+        # Plain Python numbers whatever the caller kept (numpy scalars, 0-d tensors): the values
+        # go into torch ops as scalars, where a numpy or tensor argument would cost a conversion.
+        for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, as_real(name, value))
+        for name in ("growth_interval", "hysteresis"):
+            object.__setattr__(self, name, as_integer(name, getattr(self, name)))
+
+    @property
+    def floor(self) -> float:
+        """The lowest scale a backoff reaches: ``min_scale``, else the smallest normal float32."""
+        return SCALE_MIN if self.min_scale is None else max(self.min_scale, SCALE_MIN)
+
 
 def update_scale_(
     rule: ScaleRule,
@@ -36,17 +66,18 @@ def update_scale_(
     growth_tracker: torch.Tensor,
     hysteresis_tracker: torch.Tensor,
     found_inf: torch.Tensor,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """Update the three trackers in place from ``found_inf`` (a float32 tensor, nonzero on an
     overflow, as torch's scalers keep it).
 
-    Returns a 0-dim bool tensor, True when an overflow arrived while the scale was already at
-    ``min_scale`` (the caller decides whether and when to read it); None without a ``min_scale``,
-    where that cannot happen, so that no op is launched for it.
+    Returns a 0-dim bool tensor, True when a backoff was due while the scale was already at its
+    floor (:attr:`ScaleRule.floor`); the caller decides whether and when to read it.
     """
+    floor = rule.floor
     if rule.hysteresis == 1 and rule.min_scale is None:
         # torch's fused update is one kernel instead of a dozen small ops (0.04 vs 0.3 ms on CPU);
-        # the only extra is the ceiling.
+        # the extras are the floor (and its flag) and the ceiling.
+        underflow = (found_inf > 0) & (scale <= floor)
         torch._amp_update_scale_(
             scale,
             growth_tracker,
@@ -55,19 +86,15 @@ def update_scale_(
             rule.backoff_factor,
             rule.growth_interval,
         )
-        if rule.max_scale is not None:
-            scale.clamp_(max=rule.max_scale)
-        return None
+        scale.clamp_(min=floor, max=rule.max_scale)
+        return underflow
     found = found_inf > 0
     hyst_after = torch.where(found, hysteresis_tracker - 1, hysteresis_tracker)
     backoff = found & (hyst_after <= 0)
     successful = growth_tracker + 1
     grow = ~found & (successful >= rule.growth_interval)
-    backed = scale * rule.backoff_factor
-    underflow = None
-    if rule.min_scale is not None:
-        underflow = backoff & (scale <= rule.min_scale)
-        backed = backed.clamp(min=rule.min_scale)
+    underflow = backoff & (scale <= floor)
+    backed = (scale * rule.backoff_factor).clamp(min=floor)
     grown = scale * rule.growth_factor
     grown = torch.where(torch.isfinite(grown), grown, scale)  # as torch: never grow to inf
     if rule.max_scale is not None:

@@ -57,17 +57,33 @@ class LauncherEnvironment(ABC):
         """
 
 
-def read_int(env: Mapping[str, str], name: str) -> int:
-    """The integer value of ``env[name]``, or a ``ValueError`` naming ``name``."""
+INT32_MAX = 2**31 - 1
+"""Ranks, sizes and node indices end up in torch's int32 arguments: larger values are refused."""
+
+
+def read_int(env: Mapping[str, str], name: str, *, low: int = 0, high: int = INT32_MAX) -> int:
+    """The integer value of ``env[name]`` in ``[low, high]``, or a ``ValueError`` naming ``name``,
+    echoing the value and giving the range. No launcher variable is negative, so a ``-1`` is
+    refused here rather than used as a Python index further on."""
     value = env.get(name)
     if value is None:
         raise ValueError(
             f"{name} is not set, though other variables of its launcher are: set it, or name the "
             "launcher with DISTAMP_LAUNCHER"
         )
-    if not re.fullmatch(r"\s*-?[0-9]+\s*", value):  # stricter than int(), which takes "1_0"
-        raise ValueError(f"{name}={value!r} is not an integer")
-    return int(value)
+    # Stricter than int(), which takes "1_0"; 30 digits at most, below int()'s own length limit;
+    # ASCII blanks only around it (regex \s also matches "\x1f", which int() refuses).
+    match = re.fullmatch(r"[ \t\r\n]*(-?[0-9]{1,30})[ \t\r\n]*", value)
+    if match is None:
+        raise ValueError(
+            f"{name}={value!r} is not an integer (expected a whole number in [{low}, {high}])"
+        )
+    number = int(match[1])
+    if not low <= number <= high:
+        raise ValueError(
+            f"{name}={number} is out of range: expected a whole number in [{low}, {high}]"
+        )
+    return number
 
 
 def first_set(env: Mapping[str, str], *names: str) -> str:

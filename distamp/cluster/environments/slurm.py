@@ -64,7 +64,11 @@ class Slurm(LauncherEnvironment):
         address = hosts[0] if hosts else None
         # Every task derives the same port from the job id, so no communication is needed; two
         # steps of one job sharing a node at the same time must set MASTER_PORT.
-        port = 10000 + read_int(env, "SLURM_JOB_ID") % 20000 if "SLURM_JOB_ID" in env else None
+        port = (
+            10000 + read_int(env, "SLURM_JOB_ID", high=2**32 - 1) % 20000
+            if "SLURM_JOB_ID" in env
+            else None
+        )
         return DistEnv(cls.name, r, w, lr, lw, node, address, port)
 
 
