@@ -34,11 +34,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from distamp.observe.numerics import NumericStats
+from distamp.precision.casts import to_fp32
 
 __all__ = ["AdaptivePrecision", "AdaptiveRules", "PrecisionChange"]
 
 _ADAPTABLE = ("fp16", "bf16")
-_LOW = (torch.float16, torch.bfloat16)
 
 
 def _whole(name: str, value: Any, least: int) -> None:
@@ -120,16 +120,6 @@ class PrecisionChange:
         return f"step {self.step}: {self.module} {self.before} -> {self.after} ({self.reason})"
 
 
-def _cast_fp32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in _LOW else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_fp32(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_fp32(v) for k, v in value.items()}
-    return value
-
-
 def _autocast_on(device_types: tuple[str, ...]) -> Iterator[str]:
     for kind in device_types:
         if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
@@ -150,7 +140,7 @@ class _Upcast(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        return func(*_cast_fp32(args), **_cast_fp32(kwargs or {}))
+        return func(*to_fp32(args), **to_fp32(kwargs or {}))
 
 
 def _island(module: nn.Module) -> list[RemovableHandle]:
@@ -166,7 +156,7 @@ def _island(module: nn.Module) -> list[RemovableHandle]:
         if kinds:
             ctx.enter_context(_Upcast())
         stack.append(ctx)
-        return (_cast_fp32(args), _cast_fp32(kwargs)) if kinds else None
+        return (to_fp32(args), to_fp32(kwargs)) if kinds else None
 
     def post(_m: nn.Module, _args: Any, _out: Any) -> None:
         if stack:

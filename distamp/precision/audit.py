@@ -20,12 +20,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from distamp.precision.casts import LOW_PRECISION
 from distamp.precision.fp8_select import LinearChoice, plan_linears
 from distamp.precision.policy import AutocastPolicy, PrecisionLike, parse_precision
 
 __all__ = ["AuditReport", "ModuleRecord", "audit"]
 
-_LOW = (torch.float16, torch.bfloat16)
 # Shape and copy ops: they move values, they do not compute with them.
 _NOT_COMPUTE = frozenset(
     {
@@ -151,7 +151,7 @@ class _OpRecorder(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if self.stack and name not in _NOT_COMPUTE:
             results = out if isinstance(out, (list, tuple)) else (out,)
-            if any(isinstance(t, torch.Tensor) and t.dtype in _LOW for t in results):
+            if any(isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION for t in results):
                 ops = self.stack[-1].low_precision_ops
                 if name not in ops:
                     ops.append(name)

@@ -15,7 +15,7 @@ numerics on CPU and GPU.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from distamp.arguments import integer_or_none
 from distamp.precision.adaptive import AdaptivePrecision, AdaptiveRules
+from distamp.precision.casts import to_fp32
 from distamp.precision.fp8_select import Float8Settings
 
 __all__ = [
@@ -186,20 +187,7 @@ ModuleSpec = type[nn.Module] | str
 """A module class (matched with ``isinstance``) or a pattern (``fnmatch``, matched against the
 qualified name, e.g. ``"blocks.*.ln1"`` or ``"lm_head"``, and against the class name)."""
 
-_LOW = (torch.float16, torch.bfloat16)
 _PROBE_DEVICES = ("cpu", "cuda")
-
-
-def _to_fp32(value: Any) -> Any:
-    """``value`` with every low-precision floating tensor in it (nested in lists, tuples and
-    dicts) cast to fp32; everything else untouched."""
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in _LOW else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_fp32(v) for v in value)
-    if isinstance(value, Mapping):
-        return {k: _to_fp32(v) for k, v in value.items()}
-    return value
 
 
 def _autocast_devices(values: Iterable[Any]) -> list[str]:
@@ -246,7 +234,7 @@ class _Fp32Ops(TorchFunctionMode):
         if not devices:
             return func(*args, **kwargs)
         if self.cast_inputs:
-            args, kwargs = _to_fp32(args), _to_fp32(kwargs)
+            args, kwargs = to_fp32(args), to_fp32(kwargs)
         with _fp32_region(devices):
             return func(*args, **kwargs)
 
@@ -478,7 +466,7 @@ def _fp32_hooks(module: nn.Module, cast_inputs: bool) -> list[RemovableHandle]:
             ctx.enter_context(_fp32_region(devices))
         stack.append(ctx)
         if devices and cast_inputs:
-            return _to_fp32(args), _to_fp32(kwargs)
+            return to_fp32(args), to_fp32(kwargs)
         return None
 
     def post(_m: nn.Module, _args: Any, _out: Any) -> None:
