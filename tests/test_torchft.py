@@ -20,9 +20,10 @@ import pytest
 import torch
 
 import distamp
-from tests._dist import ROOT, launcher_free_env
+from tests._dist import ROOT, free_port, launcher_free_env
 
 SCRIPT = ROOT / "tests" / "scripts" / "ft_replica.py"
+FSDP2_SCRIPT = ROOT / "tests" / "scripts" / "ft_fsdp2_replica.py"
 TIMEOUT = 240.0  # per process; start-up alone (imports) takes seconds on a loaded machine
 
 
@@ -115,11 +116,13 @@ class _Replicas:
         )
         self.procs: list[subprocess.Popen[str]] = []
 
-    def start(self, replica: int, name: str, *args: str, steps: int = 10) -> Path:
+    def start(
+        self, replica: int, name: str, *args: str, steps: int = 10, script: Path = SCRIPT
+    ) -> Path:
         out = self.tmp / f"{name}.json"
         env = launcher_free_env()
         env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        cmd = [sys.executable, str(SCRIPT), str(replica), self.lighthouse.address(), str(out)]
+        cmd = [sys.executable, str(script), str(replica), self.lighthouse.address(), str(out)]
         err = open(self.tmp / f"{name}.err", "w")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
             [*cmd, "--steps", str(steps), *args], cwd=ROOT, env=env, text=True,
@@ -295,3 +298,33 @@ def test_engine_restarted_replica_heals_and_matches_the_survivor(replicas: _Repl
     assert survivor[11]["skipped"] and healed[-1]["skipped_steps"] == 2  # steps 4 and 11
     for p, q in zip(a["params"], b["params"], strict=True):
         assert torch.equal(torch.tensor(p), torch.tensor(q))
+
+
+@pytest.mark.slow
+def test_fsdp2_inside_replica_groups_agrees_across_replicas(replicas: _Replicas) -> None:
+    """2 replica groups x 2 ranks, FSDP2 inside each group (4 processes): an inf in one rank's
+    gradient shard of one replica group -> every rank of both groups skips the same steps."""
+    ranks = [(g, r) for g in (0, 1) for r in (0, 1)]
+    ready = [replicas.ready(f"g{g}r{r}") for g, r in ranks]
+    ports = [free_port(), free_port()]
+    outs = []
+    for g, r in ranks:
+        inf = ["--inf-at", "3", "6"] if (g, r) == (1, 1) else []
+        outs.append(replicas.start(g, f"g{g}r{r}", "--rank", str(r), "--port", str(ports[g]),
+                                   "--ready", ready[2 * g + r], "--wait-for", *ready, *inf,
+                                   steps=8, script=FSDP2_SCRIPT))  # fmt: skip
+    for i in range(4):
+        replicas.wait(i)
+    logs = [_load(o) for o in outs]
+    first = logs[0]["log"]
+    assert [e["step"] for e in first] == list(range(8))
+    assert all(e["committed"] for e in first)
+    assert [e["step"] for e in first if e["skipped"]] == [3, 6]  # the inf on one rank of g1
+    for other in logs[1:]:
+        assert [(e["skipped"], e["scale"]) for e in other["log"]] == [
+            (e["skipped"], e["scale"]) for e in first
+        ]
+        assert other["log"][-1]["skipped_steps"] == 2
+        assert all(e["committed"] for e in other["log"])
+        for p, q in zip(logs[0]["params"], other["params"], strict=True):
+            assert torch.equal(torch.tensor(p), torch.tensor(q))  # bitwise, across replicas
