@@ -278,7 +278,7 @@ def test_engine_restarted_replica_heals_and_matches_the_survivor(replicas: _Repl
     replicas.start(1, "r1", "--engine", "--ready", first[1], "--wait-for", *first,
                    "--inf-at", "4", "--exit-at", "7", steps=steps)  # fmt: skip
     replicas.wait(1, expect_rc=3)  # died at step 7, its quorum already requested
-    replicas.start(1, "r1b", "--engine", "--ready", back, steps=steps)
+    replicas.start(1, "r1b", "--engine", "--join-first", "--ready", back, steps=steps)
     replicas.wait(0)
     replicas.wait(2)
     a, b = _load(out0), _load(out1 := replicas.tmp / "r1b.json")

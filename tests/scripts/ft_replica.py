@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--no-scaler", action="store_true")
     ap.add_argument("--no-heal-state", action="store_true")
     ap.add_argument("--engine", action="store_true", help="train through DistAMP(ft_manager=)")
+    ap.add_argument("--join-first", action="store_true",
+                    help="with --engine: ask for the first quorum before creating --ready, so that "
+                    "a survivor paused until then finds this replica in its quorum")  # fmt: skip
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--wait-for", nargs="*", default=[],
@@ -165,6 +168,9 @@ def _engine_loop(args: argparse.Namespace, manager, model, inner, ready_at: floa
                                            process_group=manager)  # fmt: skip
     amp = distamp.DistAMP("fp16", ft_manager=manager, scaler=scaler, device="cpu")
     ddp, _ = amp.setup(model, inner)
+    if args.join_first:
+        with amp.autocast():  # the first step's quorum (later calls in the step ask nothing)
+            pass
     if args.ready:  # after setup: a restarted replica asks for its first quorum right away
         open(args.ready, "w").close()
     _wait_for(args.wait_for)
@@ -177,6 +183,10 @@ def _engine_loop(args: argparse.Namespace, manager, model, inner, ready_at: floa
         step = manager.current_step()
         if step == args.pause_at:
             _wait_for([args.pause_until])
+            # The restarted replica asked for its quorum before creating the file, but torchft
+            # sends the request from a background thread: give it time to reach the Lighthouse
+            # (else this replica, the previous quorum's only member, forms one alone at once).
+            time.sleep(1.0)
         if step == args.exit_at:
             os._exit(3)
         g = torch.Generator().manual_seed(1000 * args.replica + step)
