@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import distamp
-from tests._dist import ROOT, free_port, launcher_free_env
+from tests._dist import ROOT, free_port, launcher_free_env, run_ranks
 
 SCRIPT = ROOT / "tests" / "scripts" / "ft_replica.py"
 FSDP2_SCRIPT = ROOT / "tests" / "scripts" / "ft_fsdp2_replica.py"
@@ -101,6 +101,46 @@ def test_engine_takes_a_model_already_wrapped_with_torchft_ddp(manager: Any) -> 
     amp2 = distamp.DistAMP("fp16", ft_manager=manager, scaler=scaler, device="cpu")
     wrapped2, _ = amp2.setup(mine, lambda ps: torch.optim.SGD(ps, lr=0.1))
     assert wrapped2 is mine and amp2.strategy == "none" and amp2.scaler is scaler
+
+
+def _setup_refusals(rank: int, world_size: int) -> list[str]:
+    """One rank of a 2-rank replica group (gloo): what setup() refuses with a Manager."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.coordination import LighthouseServer
+
+    # A Manager of its own per rank: setup() refuses before it asks the Manager anything.
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    timeout = timedelta(seconds=10)
+    mgr = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=lambda sd: None,
+        state_dict=lambda: {}, min_replica_size=1, replica_id=f"replica_{rank}",
+        store_addr="localhost", store_port=store.port, rank=0, world_size=1,
+        lighthouse_addr=lighthouse.address(), timeout=timeout, quorum_timeout=timeout,
+        connect_timeout=timeout,
+    )  # fmt: skip
+    messages = []
+    for model in (torch.nn.Linear(4, 2), DistributedDataParallel(torch.nn.Linear(4, 2))):
+        amp = distamp.DistAMP("fp16", device="cpu", ft_manager=mgr)
+        try:
+            amp.setup(model, lambda ps: torch.optim.SGD(ps, lr=0.1))
+        except ValueError as exc:
+            messages.append(str(exc))
+    mgr.shutdown(wait=False)
+    lighthouse.shutdown()
+    return messages
+
+
+def test_engine_ft_manager_refuses_a_bare_or_torch_ddp_model_in_a_group_of_two_ranks() -> None:
+    pytest.importorskip("torchft", reason="torchft not installed")
+    for messages in run_ranks(_setup_refusals, 2, timeout=120):
+        assert len(messages) == 2
+        assert "ft_manager with 2 ranks in the replica group" in messages[0]
+        assert "ft_manager with a torch DistributedDataParallel model" in messages[1]
 
 
 class _Replicas:
