@@ -13,7 +13,14 @@ field                         accepted
 ``max_grad_norm``             None, or a finite real > 0
 ``timeout``                   finite real > 0 seconds, at most 2**31 - 1 (or a ``timedelta``)
 ``hsdp_shard_size``           None, or an integer in [1, 2**31 - 1]
+``ft_manager``                None, or a ``torchft.Manager`` (else ``TypeError``)
 ============================  ===========================================
+
+With ``ft_manager`` the engine wraps the model in torchft's DDP across replica groups and agrees
+through the Manager, so what cannot combine with that is refused (``ValueError``): a sharded
+``strategy`` (shard inside a replica group yourself, then pass the model), a ``comm_hook``
+(torchft's DDP owns the gradient all-reduce), ``trust_ddp_sync=True`` (the flag must cross the
+replicas through the Manager) and a ``scaler`` built over anything but that Manager.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import torch
 from torch import nn
 
 from distamp.arguments import INT32_MAX, as_integer, as_real
+from distamp.cluster import is_distributed
+from distamp.parallel.replicas import is_ft_ddp, is_ft_manager
 from distamp.parallel.strategies import COMM_HOOKS, SHARDED, STRATEGIES
 from distamp.precision.policy import AutocastPolicy, Precision
 from distamp.scaler import DistributedGradScaler
@@ -34,6 +43,7 @@ __all__ = [
     "AMPConfig",
     "OptimizerArg",
     "SchedulerArg",
+    "check_ft_setup",
     "check_setup",
     "make_scaler",
     "parse_device",
@@ -44,12 +54,15 @@ OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.opti
 SchedulerArg = Any  # an LRScheduler-like object (has .step), a factory `opt -> scheduler`, or None
 
 
-def make_scaler(device_type: str, enabled: bool) -> DistributedGradScaler:
+def make_scaler(device_type: str, enabled: bool, ft_manager: Any = None) -> DistributedGradScaler:
     """The engine's default scaler: rank-consistent skips (see :mod:`distamp.scaler`). When the
     precision needs no loss scaling (bf16, fp32) it only checks: nothing is scaled, yet a step
     with an inf/NaN gradient (a NaN loss, a diverging batch) is skipped on every rank instead of
-    writing NaN into the parameters. ``enabled=False`` is used only as a placeholder."""
-    return DistributedGradScaler(device=device_type, check_only=not enabled)
+    writing NaN into the parameters. ``enabled=False`` is used only as a placeholder. With a
+    torchft ``ft_manager`` it agrees, votes and heals through it."""
+    return DistributedGradScaler(
+        device=device_type, check_only=not enabled, process_group=ft_manager
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +81,7 @@ class AMPConfig:
     timeout: float = 300.0
     device: torch.device | None = None
     trust_ddp_sync: bool = False
+    ft_manager: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.trust_ddp_sync, bool):
@@ -132,6 +146,38 @@ class AMPConfig:
                     "model yourself (parallelize_module, fully_shard, pipeline stages) and the "
                     "engine wraps nothing; use strategy='auto' or 'none'"
                 )
+        if self.ft_manager is not None:
+            self._check_ft_manager()
+
+    def _check_ft_manager(self) -> None:
+        m = self.ft_manager
+        if not is_ft_manager(m):
+            raise TypeError(
+                f"ft_manager={m!r} ({type(m).__name__}) is not supported: pass a "
+                "torchft.Manager (this replica group's, built before DistAMP) or None"
+            )
+        if self.strategy in SHARDED:
+            raise ValueError(
+                f"ft_manager with strategy={self.strategy!r}: the engine wraps replica groups "
+                "with torchft's DDP only; shard inside the replica group yourself (fully_shard) "
+                "and pass the model with strategy='auto'"
+            )
+        if self.comm_hook is not None:
+            raise ValueError(
+                f"ft_manager with comm_hook={self.comm_hook!r}: torchft's DDP all-reduces the "
+                "gradients through the Manager with its own hook; use comm_hook=None"
+            )
+        if self.trust_ddp_sync:
+            raise ValueError(
+                "ft_manager with trust_ddp_sync=True: the skip flag must cross the replicas "
+                "through the Manager, whatever DDP did; use trust_ddp_sync=False"
+            )
+        if self.scaler is not None and self.scaler.ft_manager is not m:
+            raise ValueError(
+                f"ft_manager with scaler={self.scaler!r}: the scaler must agree, vote and heal "
+                "through the same Manager; build it with DistributedGradScaler(..., "
+                "process_group=ft_manager) or pass scaler=None"
+            )
 
 
 def parse_device(device: str | torch.device | None) -> torch.device | None:
@@ -183,3 +229,32 @@ def check_setup(cfg: AMPConfig, strategy: str, optimizer: Any, scheduler: Any) -
             f"comm_hook={cfg.comm_hook!r}: strategy resolved to {strategy!r}, which has "
             "no DDP comm hooks (one process resolves 'auto' to 'none'); use comm_hook=None"
         )
+
+
+def check_ft_setup(cfg: AMPConfig, model: nn.Module, *, parallelised: bool, stages: bool) -> str:
+    """With ``cfg.ft_manager``: the strategy inside the replica group, ``"ddp"`` when the engine
+    wraps ``model`` in torchft's DDP across replicas, ``"none"`` when the user already did (or
+    sharded it); ``ValueError`` for what cannot train across replicas."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if stages:
+        raise ValueError(
+            "ft_manager with pipeline stages: torchft replicates whole models; train the "
+            "stages without ft_manager"
+        )
+    if isinstance(model, DistributedDataParallel) and not is_ft_ddp(model):
+        raise ValueError(
+            "ft_manager with a torch DistributedDataParallel model: its gradients stay inside "
+            "the replica group; pass the bare model (the engine wraps it in torchft's DDP) or "
+            "one wrapped with torchft.DistributedDataParallel"
+        )
+    if parallelised or cfg.strategy == "none":
+        return "none"
+    if is_distributed() and torch.distributed.get_world_size() > 1:
+        raise ValueError(
+            f"ft_manager with {torch.distributed.get_world_size()} ranks in the replica group: "
+            "torchft's DDP averages each rank with its peers in the other replica groups only; "
+            "parallelise the model inside the group yourself (e.g. fully_shard over the group "
+            "with torchft's HSDP mesh) and pass it with strategy='auto'"
+        )
+    return "ddp"

@@ -35,6 +35,7 @@ from distamp.engine.config import (
     AMPConfig,
     OptimizerArg,
     SchedulerArg,
+    check_ft_setup,
     check_setup,
     make_scaler,
     parse_device,
@@ -44,6 +45,7 @@ from distamp.engine.loop import RunLoop, pipeline_stages
 from distamp.observe.diagnostics import NonFiniteTracer
 from distamp.observe.metrics import Metrics, StepResult
 from distamp.observe.numerics import NumericStats
+from distamp.parallel.replicas import QuorumSchedule, unwrap_ft_optimizer, wrap_replicas
 from distamp.parallel.strategies import (
     SHARDED,
     apply_strategy,
@@ -105,9 +107,17 @@ class DistAMP(RunLoop):
             every this many steps, read by :meth:`numerics`; an adaptive policy runs it anyway.
         trust_ddp_sync: skip the skip-flag collective when DDP's all-reduce spans the job (it
             spread any inf); only if nothing edits one rank's gradients between backward and step.
+        ft_manager: this replica group's ``torchft.Manager`` (fault-tolerant replica groups): the
+            model is wrapped in torchft's DDP across replicas (unless already wrapped or
+            sharded by you), the scaler agrees, votes on the commit and heals through the
+            Manager, and the engine starts each step's quorum as its first forward enters
+            :meth:`autocast` (or at its first ``backward``): do not call ``start_quorum`` or a
+            torchft optimizer wrapper's ``zero_grad`` yourself. See
+            :mod:`distamp.parallel.replicas`.
 
     Raises:
         ValueError: a bad setting; the message names the field and echoes the value.
+        TypeError: ``ft_manager`` is not a ``torchft.Manager``.
     """
 
     # What the engine holds, set in __init__ and completed by setup().
@@ -121,6 +131,7 @@ class DistAMP(RunLoop):
     tracer: NonFiniteTracer | None  # forward non-finite tracing (trace_nonfinite=True)
     fp8: Float8Training | None  # torchao float8 layers and their FSDP2 weight scales
     adaptive: AdaptiveRun | None  # numeric monitor + adaptive precision (engine/adaptive_run.py)
+    quorum: QuorumSchedule | None  # with ft_manager: when each step's torchft quorum starts
     comm_hook_state: Any  # the DDP comm hook's state, when one is registered
     step_count: int  # optimizer steps completed (skipped ones included)
     cycle: MicroBatchCycle  # backward() calls since the last step(), and their call order
@@ -145,6 +156,7 @@ class DistAMP(RunLoop):
         mesh: Any = None,
         numerics_interval: int | None = None,
         trust_ddp_sync: bool = False,
+        ft_manager: Any = None,
     ) -> None:
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
@@ -166,13 +178,14 @@ class DistAMP(RunLoop):
             timeout=timeout,
             device=parse_device(device),
             trust_ddp_sync=trust_ddp_sync,
+            ft_manager=ft_manager,
         )
         self.strategy, self.mp_owner, self.device = strategy, "none", torch.device("cpu")
         self.scaler = scaler if scaler is not None else DistributedGradScaler("cpu", enabled=False)
         self.scheduler = None
         self.metrics = Metrics(self.device)
         self.trace_nonfinite = bool(trace_nonfinite)
-        self.tracer, self.fp8, self.comm_hook_state = None, None, None
+        self.tracer, self.fp8, self.comm_hook_state, self.quorum = None, None, None, None
         self.numerics_interval, self.adaptive = numerics_interval, None
         self.step_count, self.cycle = 0, MicroBatchCycle(self.config.grad_accum_steps)
         self._model, self._optimizer = None, None
@@ -232,7 +245,12 @@ class DistAMP(RunLoop):
         self.device = training_device(cfg)
         stages, model = pipeline_stages(model)
         parallelised = cfg.mesh is not None or bool(stages) or is_parallelised(model)
-        self.strategy = resolve_strategy(cfg.strategy, self.world_size, parallelised=parallelised)
+        ft = cfg.ft_manager
+        self.strategy = (
+            resolve_strategy(cfg.strategy, self.world_size, parallelised=parallelised)
+            if ft is None
+            else check_ft_setup(cfg, model, parallelised=parallelised, stages=bool(stages))
+        )
         self.mp_owner = select_mp_owner(cfg.precision, self.strategy, self.device.type)
         check_setup(cfg, self.strategy, optimizer, scheduler)
         names = {id(p): n for n, p in model.named_parameters()}
@@ -249,14 +267,20 @@ class DistAMP(RunLoop):
             )
         if cfg.policy is not None:
             cfg.policy.apply(model)  # before wrapping: the hooks stay on FSDP's units
-        wrapped = apply_strategy(
-            model,
-            strategy=self.strategy,
-            device=self.device,
-            fsdp_dtype=fsdp_dtype,
-            policy=cfg.policy if self.strategy in SHARDED else None,
-            hsdp_shard_size=cfg.hsdp_shard_size,
+        wrapped = (
+            wrap_replicas(model, ft)  # torchft's DDP: gradients averaged across replicas
+            if ft is not None and self.strategy == "ddp"
+            else apply_strategy(
+                model,
+                strategy=self.strategy,
+                device=self.device,
+                fsdp_dtype=fsdp_dtype,
+                policy=cfg.policy if self.strategy in SHARDED else None,
+                hsdp_shard_size=cfg.hsdp_shard_size,
+            )
         )
+        if ft is not None:  # the engine votes and starts quorums: torchft's wrapper would too
+            optimizer = unwrap_ft_optimizer(optimizer, ft)
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(list(wrapped.parameters()))
         elif self.strategy in SHARDED:
@@ -266,7 +290,7 @@ class DistAMP(RunLoop):
         self.scaler = (
             cfg.scaler
             if cfg.scaler is not None
-            else make_scaler(self.device.type, cfg.precision.needs_scaler)
+            else make_scaler(self.device.type, cfg.precision.needs_scaler, ft)
         )
         if self.fp8 is not None:  # over the ranks whose decisions agree: one all-reduce a step
             self.fp8.after_wrap(
@@ -289,6 +313,7 @@ class DistAMP(RunLoop):
         )  # fmt: skip
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
         self.metrics = Metrics(self.device)
+        self.quorum = None if ft is None else QuorumSchedule(ft)
         return wrapped, optimizer
 
     # ------------------------------------------------------------------ the step
@@ -296,7 +321,10 @@ class DistAMP(RunLoop):
         """The forward-pass context: ``torch.autocast`` on the model's device type with the
         compute dtype (fp16 included on CPU), or nothing when fp32 or when FSDP's policy casts.
         With a policy: the policy's context (autocast plus its fp32 ops), also under FSDP's
-        casting, so that fp32 units and ops mix with low-precision ones."""
+        casting, so that fp32 units and ops mix with low-precision ones. With ``ft_manager``,
+        the first call of a step starts the step's torchft quorum."""
+        if self.quorum is not None:
+            self.quorum.begin()
         if self.config.policy is not None:
             return self.config.policy.autocast(
                 self.device.type, enabled=self.precision.compute_dtype is not None
@@ -325,6 +353,8 @@ class DistAMP(RunLoop):
             tokens: tokens in the micro-batch, for the throughput figure.
         """
         self.cycle.check_backward()
+        if self.quorum is not None:  # the forward ran outside autocast(): the quorum is due
+            self.quorum.begin()
         self.metrics.record(loss, tokens)
         if self.tracer is not None:
             self.tracer.record_loss(loss)
@@ -364,6 +394,8 @@ class DistAMP(RunLoop):
             self.scheduler.step()
         # 6. next cycle: gradients released, metrics counted
         opt.zero_grad(set_to_none=True)
+        if self.quorum is not None:  # torchft: the next forward asks for the next quorum
+            self.quorum.end()
         self.metrics.end_step(norm, scaler)
         if self.adaptive is not None:  # agreed report -> the same precision changes everywhere
             self.adaptive.after_step(scaler.last_step_skipped)
@@ -454,7 +486,7 @@ class DistAMP(RunLoop):
             self.scaler.attach_tracer(None)
         if self.adaptive is not None:
             self.adaptive.close()
-        self._model = self._optimizer = self.scheduler = self.tracer = None
+        self._model = self._optimizer = self.scheduler = self.tracer = self.quorum = None
         self.comm_hook_state = None
         if self.fp8 is not None:  # its weight scales hold the model's float8 layers
             self.fp8.scales = None

@@ -21,8 +21,9 @@ group cannot give:
   with the manager, so a restarted replica receives the scale, growth tracker, hysteresis and skip
   counters with the weights, and the gradients averaged across replicas share one scale.
 
-torchft is imported by whoever builds the ``Manager``; this module only recognises one (it never
-imports torchft itself), so ``import distamp`` works without it.
+torchft is imported by whoever builds the ``Manager``; this module only recognises one, and
+imports torchft only to wrap a model for the engine (:func:`wrap_replicas`), so ``import distamp``
+works without it.
 """
 
 from __future__ import annotations
@@ -41,9 +42,13 @@ from distamp.parallel.reduction import ExternalGroup
 __all__ = [
     "SUPPORTED_TORCHFT",
     "ManagerGroup",
+    "QuorumSchedule",
     "ReplicaCommit",
     "StateOwner",
+    "is_ft_ddp",
     "is_ft_manager",
+    "unwrap_ft_optimizer",
+    "wrap_replicas",
 ]
 
 SUPPORTED_TORCHFT = ((0, 2), (0, 3))  # [lower, upper): the releases this module was tested with
@@ -56,6 +61,61 @@ def is_ft_manager(obj: Any) -> bool:
     module = sys.modules.get("torchft.manager")
     manager_type = getattr(module, "Manager", None)
     return isinstance(manager_type, type) and isinstance(obj, manager_type)
+
+
+def is_ft_ddp(obj: Any) -> bool:
+    """Whether ``obj`` is torchft's ``DistributedDataParallel`` (gradients averaged across the
+    quorum's replicas by its Manager), recognised without importing torchft."""
+    module = sys.modules.get("torchft.ddp")
+    ddp_type = getattr(module, "DistributedDataParallel", None)
+    return isinstance(ddp_type, type) and isinstance(obj, ddp_type)
+
+
+def wrap_replicas(model: torch.nn.Module, manager: Any) -> torch.nn.Module:
+    """``model`` in torchft's ``DistributedDataParallel``: its gradients averaged across the
+    replicas of ``manager``'s quorum (the engine's wrapping for ``ft_manager=``)."""
+    check_torchft_version()
+    from torchft import DistributedDataParallel
+
+    return DistributedDataParallel(manager, model)
+
+
+def unwrap_ft_optimizer(optimizer: Any, manager: Any) -> Any:
+    """The optimizer inside a ``torchft.optim.OptimizerWrapper`` of ``manager``; any other as it
+    is. The wrapper's ``step()`` asks ``should_commit()`` and its ``zero_grad()`` starts a quorum:
+    whoever already votes (the scaler) and starts quorums (the engine) steps the inner one, so
+    that neither happens twice in one iteration."""
+    inner = getattr(optimizer, "optim", None)
+    if inner is not None and getattr(optimizer, "manager", None) is manager:
+        return inner
+    return optimizer
+
+
+class QuorumSchedule:
+    """When the engine asks torchft for a step's quorum: once per optimizer step, as the step's
+    first forward begins (:meth:`begin`, called again by backward in case the forward ran
+    outside the engine's autocast), never between steps.
+
+    Between steps is where a replica dies most harmlessly: one that had already joined the next
+    quorum would be waited for in the gradient all-reduce, where torchft 0.2's DDP hook fails on
+    the survivors (an ``AssertionError`` in ``torchft/ddp.py``); one that had not is left out
+    of the quorum once its heartbeat stops. Before the forward is also where torchft's
+    synchronous quorum (``use_async_quorum=False``) must heal, so the forward sees the healed
+    weights."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.due = True  # no quorum started for the coming step yet
+
+    def begin(self) -> None:
+        """Start the coming step's quorum, unless already started."""
+        if self.due:
+            self.due = False
+            self.manager.start_quorum()
+
+    def end(self) -> None:
+        """The step is over (committed or not): the next forward starts the next quorum."""
+        self.due = True
 
 
 def check_torchft_version() -> str:
@@ -215,7 +275,4 @@ class ReplicaCommit:
     def step_target(self, optimizer: Any) -> Any:
         """The optimizer to step: a ``torchft.optim.OptimizerWrapper`` of this manager is
         unwrapped (its ``step()`` would ask ``should_commit()`` a second time)."""
-        inner = getattr(optimizer, "optim", None)
-        if inner is not None and getattr(optimizer, "manager", None) is self.manager:
-            return inner
-        return optimizer
+        return unwrap_ft_optimizer(optimizer, self.manager)

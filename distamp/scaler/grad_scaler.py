@@ -242,6 +242,12 @@ class DistributedGradScaler(ScalerReporting):
         return scaled
 
     @property
+    def ft_manager(self) -> Any:
+        """The ``torchft.Manager`` this scaler agrees and commits through (its
+        ``process_group``), or ``None``."""
+        return self._steps.topology.ft_manager
+
+    @property
     def agreement(self) -> reduction.FlagReducer:
         """The ranks whose skip decisions agree (from ``process_group``), as a reducer: other
         per-step reductions that must span the same ranks (the engine's fp8 weight scales) use

@@ -2,14 +2,15 @@
 distamp's scaler agreeing through the torchft Manager (started by tests/test_torchft.py).
 
 Usage: ft_replica.py REPLICA_ID LIGHTHOUSE OUT_JSON --steps N [--inf-at STEP ...]
-[--exit-at STEP] [--exit-after-unscale] [--sleep S] [--no-scaler] [--no-heal-state]
+[--exit-at STEP] [--exit-after-unscale] [--sleep S] [--no-scaler] [--no-heal-state] [--engine]
 
 ``--inf-at`` writes an inf into this replica's gradient after backward at those torchft steps
 (the manager's step, identical on every replica of a quorum). ``--exit-at`` makes the process
 die (``os._exit``) at that step: before it joins the step's quorum, or between its unscale and
 its commit with ``--exit-after-unscale``. The JSON written at the end holds, per iteration, the
 manager step, the skip decision, the scale and whether torchft committed it, plus the final
-parameters and timings.
+parameters and timings. ``--engine`` trains through ``DistAMP(precision="fp16",
+ft_manager=manager)`` instead (it wraps the model, starts the quorums and steps).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--no-scaler", action="store_true")
     ap.add_argument("--no-heal-state", action="store_true")
+    ap.add_argument("--engine", action="store_true", help="train through DistAMP(ft_manager=)")
+    ap.add_argument("--join-first", action="store_true",
+                    help="with --engine: ask for the first quorum before creating --ready, so that "
+                    "a survivor paused until then finds this replica in its quorum")  # fmt: skip
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--wait-for", nargs="*", default=[],
@@ -90,6 +95,8 @@ def main() -> None:
         connect_timeout=timeout,
     )
     ready_at = time.perf_counter()
+    if args.engine:
+        _engine_loop(args, manager, model, inner, ready_at)
     if args.ready:
         open(args.ready, "w").close()
     _wait_for(args.wait_for)
@@ -145,6 +152,61 @@ def main() -> None:
             time.sleep(args.sleep)
     params = [p.detach().tolist() for p in model.parameters()]
     out = {"log": log, "params": params, "step_times": step_times,
+           "elapsed": time.perf_counter() - start, "first_commit_s": first_commit}  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(out, f)
+    manager.shutdown(wait=False)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _engine_loop(args: argparse.Namespace, manager, model, inner, ready_at: float) -> None:
+    """The same training through the engine: DistAMP wraps the model in torchft's DDP, builds
+    nothing else (the scaler is passed for its test settings), starts each step's quorum and
+    votes in ``step()``."""
+    scaler = distamp.DistributedGradScaler("cpu", init_scale=2.0**10, growth_interval=3,
+                                           process_group=manager)  # fmt: skip
+    amp = distamp.DistAMP("fp16", ft_manager=manager, scaler=scaler, device="cpu")
+    ddp, _ = amp.setup(model, inner)
+    if args.join_first:
+        with amp.autocast():  # the first step's quorum (later calls in the step ask nothing)
+            pass
+    if args.ready:  # after setup: a restarted replica asks for its first quorum right away
+        open(args.ready, "w").close()
+    _wait_for(args.wait_for)
+    log: list[dict] = []
+    step_times: list[float] = []
+    first_commit: float | None = None
+    start = time.perf_counter()
+    while manager.current_step() < args.steps:
+        t0 = time.perf_counter()
+        step = manager.current_step()
+        if step == args.pause_at:
+            _wait_for([args.pause_until])
+            # The restarted replica asked for its quorum before creating the file, but torchft
+            # sends the request from a background thread: give it time to reach the Lighthouse
+            # (else this replica, the previous quorum's only member, forms one alone at once).
+            time.sleep(1.0)
+        if step == args.exit_at:
+            os._exit(3)
+        g = torch.Generator().manual_seed(1000 * args.replica + step)
+        x = torch.randn(16, args.width, generator=g)
+        y = torch.randn(16, 1, generator=g)
+        with amp.autocast():
+            loss = nn.functional.mse_loss(ddp(x).float(), y)
+        amp.backward(loss)
+        if step in args.inf_at:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        result = amp.step()
+        log.append({"step": step, "skipped": not result.stepped, "scale": result.loss_scale,
+                    "committed": manager.current_step() > step,
+                    "skipped_steps": amp.scaler.skipped_steps})  # fmt: skip
+        step_times.append(time.perf_counter() - t0)
+        if first_commit is None and manager.current_step() > step:
+            first_commit = time.perf_counter() - ready_at
+    params = [p.detach().tolist() for p in model.parameters()]
+    out = {"log": log, "params": params, "step_times": step_times, "strategy": amp.strategy,
+           "wrapper": type(ddp).__module__ + "." + type(ddp).__name__,
            "elapsed": time.perf_counter() - start, "first_commit_s": first_commit}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(out, f)
