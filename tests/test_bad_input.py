@@ -197,6 +197,43 @@ def _overflow_twice() -> None:
     scaler.get_scale()
 
 
+def _stepped(scaler: DistributedGradScaler) -> DistributedGradScaler:
+    model = nn.Linear(3, 1)
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    scaler.step(torch.optim.SGD(model.parameters(), lr=0.1))
+    return scaler
+
+
+@pytest.mark.parametrize(
+    ("new_scale", "match"),
+    [
+        (0.0, "normal float32"),
+        (1e-46, "normal float32"),
+        (1e-40, "normal float32"),
+        (math.inf, "finite"),
+        (math.nan, "finite"),
+        (torch.tensor([0.0]), "normal float32"),
+        (torch.ones(2), "1-element"),
+        (2.0**30, "above `max_scale`"),
+    ],
+)
+def test_update_new_scale_is_checked_like_every_other_scale(new_scale: Any, match: str) -> None:
+    """torch's update(new_scale=0.0) leaves a dead scale; ours refuses it and keeps the old one."""
+    scaler = _stepped(DistributedGradScaler("cpu", init_scale=8.0, max_scale=2.0**20))
+    with pytest.raises(ValueError, match=match):
+        scaler.update(new_scale=new_scale)
+    assert scaler.get_scale() == 8.0
+
+
+@pytest.mark.parametrize("new_scale", [4.0, np.float32(4.0), torch.tensor(4.0)])
+def test_update_new_scale_accepts_what_torch_accepts(new_scale: Any) -> None:
+    scaler = _stepped(DistributedGradScaler("cpu", init_scale=8.0))
+    scaler.update(new_scale=new_scale)
+    assert scaler.get_scale() == 4.0
+    _stepped(scaler).update()  # a clean iteration follows
+    assert scaler.get_scale() == 4.0
+
+
 STATE_VALUES = _numeric(
     st.one_of(
         st.integers(-(2**64), 2**64),

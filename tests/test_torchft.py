@@ -146,13 +146,16 @@ def test_engine_ft_manager_refuses_a_bare_or_torch_ddp_model_in_a_group_of_two_r
 class _Replicas:
     """Replica processes sharing one in-process Lighthouse; killed at the end whatever happens."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, min_replicas: int = 1) -> None:
         coordination = pytest.importorskip("torchft.coordination", reason="torchft not installed")
         self.tmp = tmp
         # join_timeout: how long a quorum waits for a live (heartbeating) replica that has not
         # asked to join yet: a restarted replica must find the paused survivor in its quorum.
         self.lighthouse = coordination.LighthouseServer(
-            bind="[::]:0", min_replicas=1, join_timeout_ms=10000, heartbeat_timeout_ms=2000
+            bind="[::]:0",
+            min_replicas=min_replicas,
+            join_timeout_ms=10000,
+            heartbeat_timeout_ms=2000,
         )
         self.procs: list[subprocess.Popen[str]] = []
 
@@ -203,6 +206,17 @@ def replicas(tmp_path: Path) -> Any:
         group.close()
 
 
+@pytest.fixture
+def both_replicas(tmp_path: Path) -> Any:
+    """Replicas whose every quorum holds both groups: for tests where nobody dies, so that a
+    loaded machine cannot start one group alone and make the other heal at its first step."""
+    group = _Replicas(tmp_path, min_replicas=2)
+    try:
+        yield group
+    finally:
+        group.close()
+
+
 def _load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
@@ -213,12 +227,14 @@ def _by_step(log: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {e["step"]: e for e in log if e["committed"]}
 
 
-def test_two_replicas_agree_on_skips_scale_and_parameters(replicas: _Replicas) -> None:
-    both = [replicas.ready("r0"), replicas.ready("r1")]
-    out0 = replicas.start(0, "r0", "--ready", both[0], "--wait-for", *both)
-    out1 = replicas.start(1, "r1", "--ready", both[1], "--wait-for", *both, "--inf-at", "4", "7")
-    replicas.wait(0)
-    replicas.wait(1)
+def test_two_replicas_agree_on_skips_scale_and_parameters(both_replicas: _Replicas) -> None:
+    both = [both_replicas.ready("r0"), both_replicas.ready("r1")]
+    out0 = both_replicas.start(0, "r0", "--ready", both[0], "--wait-for", *both)
+    out1 = both_replicas.start(
+        1, "r1", "--ready", both[1], "--wait-for", *both, "--inf-at", "4", "7"
+    )
+    both_replicas.wait(0)
+    both_replicas.wait(1)
     a, b = _load(out0), _load(out1)
     assert [e["skipped"] for e in a["log"]] == [e["skipped"] for e in b["log"]]
     assert [e["step"] for e in a["log"] if e["skipped"]] == [4, 7]  # the inf on replica 1 only
@@ -290,13 +306,13 @@ def test_replica_dying_between_unscale_and_commit_hangs_nobody(replicas: _Replic
     assert log[-1]["skipped_steps"] == 0
 
 
-def test_engine_with_a_manager_agrees_across_replicas(replicas: _Replicas) -> None:
-    both = [replicas.ready("r0"), replicas.ready("r1")]
-    out0 = replicas.start(0, "r0", "--engine", "--ready", both[0], "--wait-for", *both)
-    out1 = replicas.start(1, "r1", "--engine", "--ready", both[1], "--wait-for", *both,
+def test_engine_with_a_manager_agrees_across_replicas(both_replicas: _Replicas) -> None:
+    both = [both_replicas.ready("r0"), both_replicas.ready("r1")]
+    out0 = both_replicas.start(0, "r0", "--engine", "--ready", both[0], "--wait-for", *both)
+    out1 = both_replicas.start(1, "r1", "--engine", "--ready", both[1], "--wait-for", *both,
                           "--inf-at", "4", "7")  # fmt: skip
-    replicas.wait(0)
-    replicas.wait(1)
+    both_replicas.wait(0)
+    both_replicas.wait(1)
     a, b = _load(out0), _load(out1)
     assert a["wrapper"] == b["wrapper"] == "torchft.ddp.DistributedDataParallel"
     assert [e["skipped"] for e in a["log"]] == [e["skipped"] for e in b["log"]]
@@ -341,20 +357,20 @@ def test_engine_restarted_replica_heals_and_matches_the_survivor(replicas: _Repl
 
 
 @pytest.mark.slow
-def test_fsdp2_inside_replica_groups_agrees_across_replicas(replicas: _Replicas) -> None:
+def test_fsdp2_inside_replica_groups_agrees_across_replicas(both_replicas: _Replicas) -> None:
     """2 replica groups x 2 ranks, FSDP2 inside each group (4 processes): an inf in one rank's
     gradient shard of one replica group -> every rank of both groups skips the same steps."""
     ranks = [(g, r) for g in (0, 1) for r in (0, 1)]
-    ready = [replicas.ready(f"g{g}r{r}") for g, r in ranks]
+    ready = [both_replicas.ready(f"g{g}r{r}") for g, r in ranks]
     ports = [free_port(), free_port()]
     outs = []
     for g, r in ranks:
         inf = ["--inf-at", "3", "6"] if (g, r) == (1, 1) else []
-        outs.append(replicas.start(g, f"g{g}r{r}", "--rank", str(r), "--port", str(ports[g]),
-                                   "--ready", ready[2 * g + r], "--wait-for", *ready, *inf,
-                                   steps=8, script=FSDP2_SCRIPT))  # fmt: skip
+        outs.append(both_replicas.start(g, f"g{g}r{r}", "--rank", str(r), "--port", str(ports[g]),
+                                        "--ready", ready[2 * g + r], "--wait-for", *ready, *inf,
+                                        steps=8, script=FSDP2_SCRIPT))  # fmt: skip
     for i in range(4):
-        replicas.wait(i)
+        both_replicas.wait(i)
     logs = [_load(o) for o in outs]
     first = logs[0]["log"]
     assert [e["step"] for e in first] == list(range(8))

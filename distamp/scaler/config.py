@@ -44,6 +44,7 @@ __all__ = [
     "as_integer",
     "as_real",
     "check_device",
+    "check_new_scale",
     "check_scaler_args",
     "validate_state_dict",
 ]
@@ -159,6 +160,27 @@ def check_scaler_args(
     low, high = _bounds(min_scale, max_scale, _plain)
     _scale_between(scale, low, high, _plain, "init_scale")
     return scale, growth, backoff, interval
+
+
+def check_new_scale(
+    value: Any, min_scale: float | None, max_scale: float | None
+) -> float | torch.Tensor:
+    """Check ``update(new_scale=...)``: a normal finite float32 within the scaler's bounds, like
+    every other way a scale enters (raises ``ValueError``; torch's scaler takes 0 or inf here and
+    then trains on a dead scale). A tensor must hold one element; it is read once to check it (one
+    host sync on an accelerator: setting the scale by hand is not a per-step path). Returns a
+    tensor as given and any other number as a plain float (torch's base class takes only those)."""
+    tensor = value if isinstance(value, torch.Tensor) else None
+    if tensor is not None:
+        if value.numel() != 1 or value.requires_grad:
+            raise ValueError(
+                "`new_scale` must be a float or a 1-element tensor with requires_grad=False, "
+                f"got a tensor of shape {tuple(value.shape)} (requires_grad={value.requires_grad})"
+            )
+        value = float(value.detach().reshape(()).item())
+    scale = _scale_value("new_scale", value)
+    _scale_between(scale, min_scale, max_scale, _plain, "new_scale")
+    return scale if tensor is None else tensor
 
 
 def validate_state_dict(

@@ -26,7 +26,7 @@ from distamp.observe.diagnostics import NonFiniteTracer, OverflowRecorder
 from distamp.parallel import reduction
 from distamp.parallel.replicas import ReplicaCommit
 from distamp.scaler.clipping import check_clip_args, clip_step_grads_
-from distamp.scaler.config import check_device, check_scaler_args
+from distamp.scaler.config import check_device, check_new_scale, check_scaler_args
 from distamp.scaler.grad_groups import check_groups_
 from distamp.scaler.records import (
     OptimizerStep,
@@ -429,20 +429,19 @@ class DistributedGradScaler(ScalerReporting):
 
         Growth, backoff, hysteresis and the min/max bounds are applied without a host sync; only
         ``min_scale`` (when set and ``sync_free`` is off) costs one sync to raise
-        :class:`ScaleUnderflowError` at the step where the floor is hit.
+        :class:`ScaleUnderflowError` at the step where the floor is hit. ``new_scale`` sets the
+        scale by hand, as in torch, but only to a normal finite float32 within the bounds
+        (``ValueError`` otherwise): a scale of 0 or inf would train on silently.
         """
         if not self._enabled:
             return
         scale, tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
-            super().update(new_scale)
-            self._steps.new_iteration()
-            if self._overflow is not None:
-                self._overflow.discard()
+            self._set_scale(check_new_scale(new_scale, self._min_scale, self._max_scale))
             return
         self._steps.reduce_pending()
         if self._replicas is not None and not self._replicas.end_iteration():
-            self.update(new_scale=scale)  # torchft hook: uncommitted, scale and counters kept
+            self._set_scale(scale)  # torchft hook: uncommitted, scale and counters kept
             return
         found_inf = self._steps.agreed_found_inf(scale.device)
         if found_inf is None:
@@ -465,6 +464,13 @@ class DistributedGradScaler(ScalerReporting):
         self._steps.new_iteration()
         if self._min_scale is not None and not self._sync_free:
             self._counters.raise_if_underflow(self._min_scale)  # one host sync, opt-in
+
+    def _set_scale(self, new_scale: float | torch.Tensor) -> None:
+        """Set the scale by hand and start a clean iteration (torch's ``update(new_scale)``)."""
+        super().update(new_scale)
+        self._steps.new_iteration()
+        if self._overflow is not None:
+            self._overflow.discard()
 
     def _rule(self) -> ScaleRule:
         return ScaleRule(
