@@ -107,7 +107,7 @@ def _mesh_digest(mesh: Any, cache: dict[int, bytes]) -> bytes:
 
 def _key(mesh_digest: bytes, name: str) -> int:
     """A weight's key: a 62-bit digest of its mesh and its name (non-negative in int64, and
-    its negation stays above the empty-slot marker of :func:`_agree_slots`)."""
+    its negation stays above the empty-slot marker of :func:`agree_keys`)."""
     digest = hashlib.blake2b(mesh_digest + name.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
@@ -115,8 +115,11 @@ def _key(mesh_digest: bytes, name: str) -> int:
 _EMPTY = -(1 << 62)  # below every negated key: a slot no rank writes reduces to it
 
 
-def _agree_slots(keys: list[int], reducer: FlagReducer, device: torch.device) -> list[int]:
-    """Every distinct key of the group, in one order all ranks share (collective).
+def agree_keys(
+    keys: list[int], reducer: FlagReducer, device: torch.device, *, size: int | None = None
+) -> list[int]:
+    """Every distinct key (non-negative, below 2**62) of the group, in one order all ranks share
+    (collective: every rank of ``reducer`` calls it).
 
     Keys go to slot ``key % size`` of a table every rank sizes alike (from the group's largest
     key count, itself agreed with one all-reduce). One MAX all-reduce of ``[keys, -keys,
@@ -134,8 +137,9 @@ def _agree_slots(keys: list[int], reducer: FlagReducer, device: torch.device) ->
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return t.cpu()
 
-    most = int(max_reduce(torch.tensor([len(keys)], dtype=torch.int64)).item())
-    size = 1 << max(3, (4 * most - 1).bit_length())
+    if size is None:  # ``size``: a power of two every rank passes alike (tests force collisions)
+        most = int(max_reduce(torch.tensor([len(keys)], dtype=torch.int64)).item())
+        size = 1 << max(3, (4 * most - 1).bit_length())
     while True:
         table = torch.full((2 * size + 1,), _EMPTY, dtype=torch.int64)
         table[:size] = -1
@@ -182,7 +186,7 @@ class WeightScales:
         keys = sorted({key for key, _, _ in self._layers})
         cpu = torch.device("cpu")
         every = (
-            _agree_slots(keys, self.reducer, self.reducer.device_for(cpu))
+            agree_keys(keys, self.reducer, self.reducer.device_for(cpu))
             if not self.reducer.is_noop
             else keys
         )
