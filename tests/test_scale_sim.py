@@ -1,5 +1,8 @@
-"""benchmarks/scale_sim.py runs every layout through torch's fake process group (small sizes
-here: the benchmark itself goes to 16384 ranks) and prints its table and ratios."""
+"""benchmarks/scale_sim.py runs every layout in fp16 and fp8 through torch's fake process group, at
+8 and at 4096 simulated ranks (the benchmark itself goes to 16384), and prints its table and
+ratios: setup and a step run at 4096 ranks for each layout, distamp's own setup stays under the
+issue's bound, and the host work of a step (its function calls, which load on the machine cannot
+blur) does not grow with the world size."""
 
 from __future__ import annotations
 
@@ -11,20 +14,39 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = ("dp x tp", "pp x dp", "experts")
 
 
-def test_scale_sim_runs_every_layout() -> None:
-    pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+def _run(worlds: str, precisions: str) -> list[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "scale_sim.py")]
-    cmd += ["--worlds", "8,64", "--steps", "2"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    cmd += ["--worlds", worlds, "--steps", "3", "--precisions", precisions]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    for layout in ("dp x tp", "pp x dp", "experts"):
-        rows = [line for line in lines if line.startswith(layout)]
-        assert len(rows) == 3, (layout, proc.stdout)  # two world sizes and the ratio line
-        assert "64/8: step x" in rows[-1]
+    return proc.stdout.splitlines()
+
+
+def _rows(lines: list[str], layout: str, precision: str) -> list[str]:
+    return [line for line in lines if line.startswith(f"{layout:8} {precision:4} ")]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp8"])
+def test_scale_sim_sets_up_and_steps_at_4096_ranks(precision: str) -> None:
+    pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    if precision == "fp8":
+        pytest.importorskip("torchao.float8")
+    lines = _run("8,4096", precision)
+    for layout in LAYOUTS:
+        rows = _rows(lines, layout, precision)
+        assert len(rows) == 3, (layout, "\n".join(lines))  # two world sizes and the ratio line
+        assert "4096/8: step x" in rows[-1]
+        cells = {}
         for row in rows[:2]:
-            setup_ms, step_ms = (float(v) for v in row.split("|")[1].split()[1:3])
-            assert setup_ms > 0 and step_ms > 0, row
+            world = int(row.split("|")[0].split()[-1])
+            torch_s, distamp_s = (float(v) for v in row.split("|")[1].split())
+            step_ms, best_ms, own_ms, calls = (float(v) for v in row.split("|")[2].split())
+            assert torch_s > 0 and 0 < best_ms <= step_ms and own_ms > 0 and calls > 0, row
+            cells[world] = (distamp_s, calls)
+        assert cells[4096][0] < 2.0, rows  # distamp's setup (convert, setup, first step)
+        # The same host work per step at 4096 ranks as at 8 (a few calls of slack for caches).
+        assert cells[4096][1] <= cells[8][1] * 1.02, rows

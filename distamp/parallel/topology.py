@@ -167,7 +167,10 @@ def _dtensor_copies(param: Any, agreeing: frozenset[int] | None) -> int:
         slice(None) if placement.is_replicate() else coord[dim]
         for dim, placement in enumerate(param.placements)
     ]
-    return max(1, _within(grid[tuple(index)].flatten().tolist(), agreeing))
+    holders = grid[tuple(index)].flatten()
+    if agreeing is None:  # every rank agrees: a count, no loop over (up to world-size) ranks
+        return max(1, holders.numel())
+    return max(1, _within(holders.tolist(), agreeing))
 
 
 @dataclass

@@ -10,6 +10,12 @@ raises, and on a pipeline job each stage holds its own weights. :class:`WeightSc
 them for any layout in ONE all-reduce: each weight is keyed by the ranks of its mesh and its
 name, every rank contributes its shard's amax at its key's slot (0 elsewhere), and a MAX over
 the agreement group yields, at each slot, the amax over exactly the ranks holding that weight.
+The slots are agreed once, at setup, at a cost that does not grow with the world size: each key
+is a 62-bit digest (of its name and its mesh's ranks) placed in a hash table whose size all
+ranks derive from the same numbers; one MAX all-reduce of the table (the digests and their
+negations) shows every rank which slots are taken and whether two keys collided (then the
+table doubles and the exchange repeats). An ``all_gather_object`` of the keys would move
+``world x keys x mesh size`` items through pickle (16384 ranks: memory exhausted).
 Replicas (HSDP's replicate dimension, a TP-replicated weight) contribute the same value, so the
 result is the whole weight's amax; the arithmetic is torchao's, so scales are bitwise the ones
 its precompute gives where that one works.
@@ -28,6 +34,7 @@ mesh=...)``, which calls :meth:`WeightScales.update` after every optimizer step.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -35,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distamp.parallel.reduction import FlagReducer
+from distamp.parallel.reduction import ExternalGroup, FlagReducer
 from distamp.parallel.topology import agreement_group
 from distamp.precision.fp8_torchao import require_torchao
 
@@ -86,8 +93,69 @@ class _TorchaoShard:
         self.tensor._precomputed_scale = scale
 
 
-def _mesh_ranks(weight: Any) -> tuple[int, ...]:
-    return tuple(int(r) for r in weight.device_mesh.mesh.flatten().tolist())
+def _mesh_digest(mesh: Any, cache: dict[int, bytes]) -> bytes:
+    """The ranks of ``mesh`` (and its shape), hashed: equal on every rank of the mesh, in one
+    pass over the rank tensor's bytes (no Python loop over ranks)."""
+    found = cache.get(id(mesh))
+    if found is None:
+        grid = mesh.mesh.to(torch.int64).contiguous()
+        digest = hashlib.blake2b(repr(tuple(grid.shape)).encode(), digest_size=16)
+        digest.update(grid.numpy().tobytes())
+        found = cache[id(mesh)] = digest.digest()
+    return found
+
+
+def _key(mesh_digest: bytes, name: str) -> int:
+    """A weight's key: a 62-bit digest of its mesh and its name (non-negative in int64, and
+    its negation stays above the empty-slot marker of :func:`agree_keys`)."""
+    digest = hashlib.blake2b(mesh_digest + name.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
+
+
+_EMPTY = -(1 << 62)  # below every negated key: a slot no rank writes reduces to it
+
+
+def agree_keys(
+    keys: list[int], reducer: FlagReducer, device: torch.device, *, size: int | None = None
+) -> list[int]:
+    """Every distinct key (non-negative, below 2**62) of the group, in one order all ranks share
+    (collective: every rank of ``reducer`` calls it).
+
+    Keys go to slot ``key % size`` of a table every rank sizes alike (from the group's largest
+    key count, itself agreed with one all-reduce). One MAX all-reduce of ``[keys, -keys,
+    local collision]`` gives, per slot, the largest and smallest key written there; a slot
+    whose two differ, or a rank that put two keys in one slot, is a collision, seen by every
+    rank from the same numbers: the table doubles and the exchange repeats. Cost per rank:
+    O(keys), whatever the world size.
+    """
+    groups = tuple(g for g in reducer.groups if not isinstance(g, ExternalGroup))
+    # (a torchft quorum's replicas hold the same model, hence the same keys)
+
+    def max_reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device)
+        for group in groups:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t.cpu()
+
+    if size is None:  # ``size``: a power of two every rank passes alike (tests force collisions)
+        most = int(max_reduce(torch.tensor([len(keys)], dtype=torch.int64)).item())
+        size = 1 << max(3, (4 * most - 1).bit_length())
+    while True:
+        table = torch.full((2 * size + 1,), _EMPTY, dtype=torch.int64)
+        table[:size] = -1
+        slots = [k % size for k in keys]
+        table[2 * size] = int(len(set(slots)) < len(set(keys)))
+        if keys:
+            index = torch.tensor(slots, dtype=torch.int64)
+            values = torch.tensor(keys, dtype=torch.int64)
+            table[index] = values
+            table[index + size] = -values
+        table = max_reduce(table)
+        largest, smallest = table[:size], -table[size : 2 * size]
+        taken = largest >= 0
+        if not bool(table[2 * size]) and torch.equal(largest[taken], smallest[taken]):
+            return [int(k) for k in largest[taken].tolist()]
+        size *= 2
 
 
 class WeightScales:
@@ -106,24 +174,28 @@ class WeightScales:
 
     def __init__(self, roots: Iterable[nn.Module], reducer: FlagReducer | None = None) -> None:
         self.reducer = reducer if reducer is not None else agreement_group(None)
-        self._layers: list[tuple[tuple[tuple[int, ...], str], Any]] = []  # Float8Linear layers
+        self._layers: list[tuple[int, str, Any]] = []  # (key, name, Float8Linear)
         seen: set[int] = set()
+        meshes: dict[int, bytes] = {}
         for root in roots:
             for name, module in root.named_modules():
                 if id(module) not in seen and gathers_in_float8(module):
                     seen.add(id(module))
-                    self._layers.append(((_mesh_ranks(module.weight), name), module))
-        keys = {key for key, _ in self._layers}
-        for group in self.reducer.groups:  # a mesh's dimensions in turn: the union of all
-            everyone: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(everyone, sorted(keys), group=group)
-            keys = set().union(*(set(k) for k in everyone))
-        slot = {key: i for i, key in enumerate(sorted(keys))}
+                    mesh = _mesh_digest(module.weight.device_mesh, meshes)
+                    self._layers.append((_key(mesh, name), name, module))
+        keys = sorted({key for key, _, _ in self._layers})
+        cpu = torch.device("cpu")
+        every = (
+            agree_keys(keys, self.reducer, self.reducer.device_for(cpu))
+            if not self.reducer.is_noop
+            else keys
+        )
+        slot = {key: i for i, key in enumerate(every)}
         self._layers.sort(key=lambda layer: slot[layer[0]])  # so a full set needs no scatter
-        self._slots = [slot[key] for key, _ in self._layers]
+        self._slots = [slot[key] for key, _, _ in self._layers]
         self.size = len(slot)
         self.collectives = 0
-        self._float8_max = _float8_max([m for _, m in self._layers])
+        self._float8_max = _float8_max([m for _, _, m in self._layers])
         # Shapes never change: which shards are empty (they contribute 0) and where the rest go
         # is fixed, and so is the index of the scatter (None: a plain stack is already in order).
         shards = self._shards()
@@ -131,14 +203,13 @@ class WeightScales:
         in_order = self._slots == list(range(self.size))
         self._index: torch.Tensor | None = None
         if not (in_order and len(self._nonempty) == self.size):
-            cpu = torch.device("cpu")
             device = shards[0].tensor.device if shards else self.reducer.device_for(cpu)
             self._index = torch.tensor([self._slots[i] for i in self._nonempty], device=device)
 
     @property
     def layers(self) -> list[str]:
         """Names of this rank's layers whose scales are precomputed (in reduction order)."""
-        return [name for (_, name), _ in self._layers]
+        return [name for _, name, _ in self._layers]
 
     @torch.no_grad()
     def update(self) -> None:
@@ -167,7 +238,7 @@ class WeightScales:
             shard.set_scale(scales[i])  # read by FSDP2's pre-all-gather cast
 
     def _shards(self) -> list[_TorchaoShard]:
-        return [_TorchaoShard(m.weight) for _, m in self._layers]
+        return [_TorchaoShard(m.weight) for _, _, m in self._layers]
 
 
 def _float8_max(modules: list[Any]) -> float:
