@@ -27,6 +27,11 @@ engine sets up and updates their weight scales). The model goes through
   step + update, and fp8: the weight-scale update); forward and backward untimed;
 - ``distamp``: median of the step less the optimizer's own ``step`` (the optimizer's step hooks):
   distamp's share of the step (clip, flag and norm agreement, update, bookkeeping);
+- ``adamw``: median of torch's own foreach AdamW step inside it: the same kind of host work, all
+  torch's, in the same process. Everything in a process playing 16384 ranks runs slower (torch's
+  step included, by about as much as distamp's share: a profile shows every function slower, none
+  called more often), so "distamp's share per AdamW step" separates growth in distamp's own work
+  from the process's;
 - ``calls``: Python and C function calls of one more step (``sys.setprofile``): the host work
   itself, which a shared machine's timing noise cannot blur.
 
@@ -196,6 +201,7 @@ def _measure(layout: str, world: int, precision: str, steps: int) -> dict[str, f
         )
         times: list[float] = []
         own: list[float] = []  # the step less the optimizer's own step: distamp's share
+        adamw: list[float] = []  # torch's own AdamW step inside it: the same process's yardstick
         torch_s = built.torch_s
         for i in range(steps + 1):
             step = _one_step(amp, built.loss)
@@ -208,6 +214,7 @@ def _measure(layout: str, world: int, precision: str, steps: int) -> dict[str, f
             else:
                 times.append(elapsed)
                 own.append(elapsed - inner["seconds"])
+                adamw.append(inner["seconds"])
         pre.remove()
         post.remove()
         calls = _count_calls(lambda: _one_step(amp, built.loss))
@@ -216,6 +223,7 @@ def _measure(layout: str, world: int, precision: str, steps: int) -> dict[str, f
             "calls": calls,
             "best_ms": min(times) * 1e3,
             "own_ms": statistics.median(own) * 1e3,
+            "adamw_ms": statistics.median(adamw) * 1e3,
             "torch_s": torch_s,
             "distamp_s": distamp_s,
             "step_ms": statistics.median(times) * 1e3,
@@ -249,7 +257,7 @@ def main() -> None:
     )
     header = (
         f"{'layout':8} {'prec':4} {'world':>6} | {'torch s':>8} {'distamp s':>9} | "
-        f"{'step ms':>8} {'best ms':>8} {'distamp':>8} {'calls':>6}"
+        f"{'step ms':>8} {'best ms':>8} {'distamp':>8} {'adamw':>6} {'calls':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -265,7 +273,7 @@ def main() -> None:
                 print(
                     f"{name:8} {precision:4} {world:6d} | {r['torch_s']:8.2f} "
                     f"{r['distamp_s']:9.3f} | {r['step_ms']:8.2f} {r['best_ms']:8.2f} "
-                    f"{r['own_ms']:8.2f} {r['calls']:6.0f}",
+                    f"{r['own_ms']:8.2f} {r['adamw_ms']:6.2f} {r['calls']:6.0f}",
                     flush=True,
                 )
             lo, hi = rows[worlds[0]], rows[worlds[-1]]
@@ -273,7 +281,10 @@ def main() -> None:
                 f"{name:8} {precision:4} {worlds[-1]}/{worlds[0]}: "
                 f"step x{hi['step_ms'] / lo['step_ms']:.2f} (best x"
                 f"{hi['best_ms'] / lo['best_ms']:.2f}, distamp's share x"
-                f"{hi['own_ms'] / lo['own_ms']:.2f}, calls x{hi['calls'] / lo['calls']:.2f}), "
+                f"{hi['own_ms'] / lo['own_ms']:.2f}, torch's own AdamW step x"
+                f"{hi['adamw_ms'] / lo['adamw_ms']:.2f}, distamp's share per AdamW step x"
+                f"{(hi['own_ms'] / hi['adamw_ms']) / (lo['own_ms'] / lo['adamw_ms']):.2f}, "
+                f"calls x{hi['calls'] / lo['calls']:.2f}), "
                 f"distamp setup {hi['distamp_s']:.3f} s, torch setup {hi['torch_s']:.2f} s",
                 flush=True,
             )
