@@ -44,8 +44,11 @@ def test_scale_sim_sets_up_and_steps_at_4096_ranks(precision: str) -> None:
         for row in rows[:2]:
             world = int(row.split("|")[0].split()[-1])
             torch_s, distamp_s = (float(v) for v in row.split("|")[1].split())
-            step_ms, best_ms, own_ms, calls = (float(v) for v in row.split("|")[2].split())
-            assert torch_s > 0 and 0 < best_ms <= step_ms and own_ms > 0 and calls > 0, row
+            step_ms, best_ms, own_ms, adamw_ms, calls = (
+                float(v) for v in row.split("|")[2].split()
+            )
+            assert torch_s >= 0 and 0 < best_ms <= step_ms and calls > 0, row  # 0.00 s: < 5 ms
+            assert own_ms > 0 and 0 < adamw_ms < step_ms, row
             cells[world] = (distamp_s, calls)
         assert cells[4096][0] < 2.0, rows  # distamp's setup (convert, setup, first step)
         # The same host work per step at 4096 ranks as at 8 (a few calls of slack for caches).
