@@ -158,6 +158,12 @@ def test_blocks_default_and_patterns() -> None:
 
     assert [n for n, _ in select_blocks(Tf())] == ["embed", "layers.0", "layers.1"]
     assert [n for n, _ in select_blocks(Tf(), ("layers.*",))] == ["layers.0", "layers.1"]
+    tied = Tf()
+    tied.layers[1][0].weight = tied.embed.weight  # one parameter in two blocks
+    scales = AutocastPolicy("fp16", backward_scales=True).backward_scales
+    assert scales is not None
+    scales.bind(tied)
+    assert scales.pinned == {0, 2}  # never scaled: one gradient cannot carry two factors
 
 
 # ---------------------------------------------------------------------------- the scaler

@@ -17,9 +17,10 @@ an exponent ``k_b`` (0 at the start):
 ``nn.ModuleList`` / ``nn.ModuleDict`` containers expanded (so ``model.blocks[i]`` of a
 transformer is a block; a plain ``nn.Sequential`` model's entries are its blocks). Or the
 outermost modules matching ``BackwardScaleRules.blocks`` patterns. Blocks never nest. A
-parameter outside every block keeps exponent 0. A tensor reaching a block other than through
-its forward arguments (a captured module attribute, a closure) skips the exit factor: keep such
-blocks out of the patterns.
+parameter outside every block keeps exponent 0, and so do blocks that share a parameter with
+another block (tied weights: one gradient, two factors), which are never scaled. A tensor
+reaching a block other than through its forward arguments (a captured module attribute, a
+closure) skips the exit factor: keep such blocks out of the patterns.
 
 **Decisions** run at the numeric monitor's reports, from agreed numbers only, so every rank
 changes the same exponents at the same step:
@@ -213,6 +214,7 @@ class BackwardScales:
         self._params: list[list[tuple[str, nn.Parameter]]] = []
         self._handles: list[RemovableHandle] = []
         self._forward_order: list[int] = []
+        self.pinned: set[int] = set()  # blocks sharing a parameter: exponent 0 for good
         self._step: torch.Tensor | None = None  # [B] this step's entering amax (block frame)
         self._window: torch.Tensor | None = None  # [3B]: over, non-finite, finite amax
         self._folded = False
@@ -247,6 +249,11 @@ class BackwardScales:
         self.names = [name for name, _ in blocks]
         self.exponents = [previous.get(name, 0) for name in self.names]
         self._params = [list(m.named_parameters(prefix=n)) for n, m in blocks]
+        owners: dict[int, list[int]] = {}
+        for i, params in enumerate(self._params):
+            for _, p in params:
+                owners.setdefault(id(p), []).append(i)
+        self.pinned = {i for ids in owners.values() if len(ids) > 1 for i in ids}
         for i, (_, module) in enumerate(blocks):
             self._handles.append(module.register_forward_pre_hook(self._pre(i), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post(i)))
@@ -359,7 +366,7 @@ class BackwardScales:
             if i in blamed and k > 0:
                 self._change(stats.step, i, k - 1, blamed[i], made)
                 continue
-            under = self.underflow(i, stats)
+            under = None if i in self.pinned else self.underflow(i, stats)
             if under is None or under <= self.rules.grow_above or k >= high:
                 continue
             if largest[i] > 0:
