@@ -227,6 +227,31 @@ def test_backward_scales_lift_the_small_block() -> None:
     assert abs(scaled - ref) / ref < 0.05, (ref, scaled)
 
 
+def test_a_block_that_overflows_backs_off_alone() -> None:
+    """Block 0's exponent forced far too high: its scaled gradient overflows, the steps skip on
+    the one agreed flag, and at the next report block 0 alone backs off, by one doubling per
+    step it overflowed."""
+    amp, _ = make("fp16", True)
+    train(amp, 0, 40)
+    assert amp.adaptive is not None and amp.adaptive.scales is not None
+    scales = amp.adaptive.scales
+    before = dict(amp.adaptive.grad_exponents)
+    skipped = amp.scaler.skipped_steps
+    scales.exponents[0] = 24  # far past what fp16 holds
+    amp.scaler.set_grad_exponents(scales.grad_exponents())
+    train(amp, 40, 50)
+    overflowed = amp.scaler.skipped_steps - skipped
+    assert overflowed >= 1
+    backoff = [c for c in scales.changes if c.step == 50]
+    assert [(c.block, c.before, c.after) for c in backoff] == [("0", 24, 24 - overflowed)]
+    assert "passed the fp16 maximum" in backoff[0].reason
+    after = amp.adaptive.grad_exponents
+    assert {b: k for b, k in after.items() if b != "0"} == {
+        b: k for b, k in before.items() if b != "0"
+    }
+    amp.close()
+
+
 def test_save_resume_is_bitwise_equal(tmp_path: Path) -> None:
     steps, cut = 60, 25  # a save in the middle of a report window (interval 10)
     amp, net = make("fp16", True)

@@ -145,7 +145,7 @@ class AdaptiveRun:
         if self.scales is not None:
             assert self._riders is not None
             self._riders.sent = False
-            self.scales.end_step(due)
+            self.scales.end_step(due, skipped)
         if stats is None:
             return made
         if self.adaptive is not None:

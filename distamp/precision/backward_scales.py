@@ -30,7 +30,8 @@ changes the same exponents at the same step:
   that a product past the format's maximum is seen even where fp16 made it ``inf``. A block
   whose scaled entering gradient passed the format's maximum, or the block before it in
   backward order when the gradient arrived non-finite from there, **backs off alone**:
-  ``k_b -= 1`` per report that saw it, if ``k_b > 0`` (at 0 the block overflowed under the loss
+  ``k_b`` drops by one per step of the window where its own factor overflowed (by one when the
+  non-finite gradient came from inside it), if ``k_b > 0`` (at 0 the block overflowed under the loss
   scale itself, whose own backoff is the remedy). The step itself was skipped by the one agreed
   flag and the loss scale backed off by its own rule, as always.
 - *underflow*: a block whose parameters' gradients are more than ``grow_above`` zero or
@@ -216,8 +217,7 @@ class BackwardScales:
         self._forward_order: list[int] = []
         self.pinned: set[int] = set()  # blocks sharing a parameter: exponent 0 for good
         self._step: torch.Tensor | None = None  # [B] this step's entering amax (block frame)
-        self._window: torch.Tensor | None = None  # [3B]: over, non-finite, finite amax
-        self._folded = False
+        self._window: torch.Tensor | None = None  # [3B]: steps over, non-finite, finite amax
         self._agreed: torch.Tensor | None = None
 
     @classmethod
@@ -294,57 +294,69 @@ class BackwardScales:
                 for _, p in params}  # fmt: skip
 
     # ------------------------------------------------------------------ statistics
-    def _fold(self) -> None:
-        """This step's entering amaxes into the window: over the format, non-finite, the
-        largest finite one."""
-        if self._folded or self._step is None:
+    def _fold(self, skipped: torch.Tensor) -> None:
+        """This step's entering amaxes into the window, once its skip is agreed: steps where a
+        block's scaled entering gradient passed the format's maximum *and* the step skipped
+        (a count; an fp32 gradient past 65504 that broke nothing is no overflow), non-finite
+        entering gradients of a skipped step, the largest finite one."""
+        if self._step is None:
             return
-        self._folded = True
         b, step = len(self.names), self._step
         if self._window is None or self._window.device != step.device:
             self._window = torch.zeros(3 * b, device=step.device)
+        skip = skipped.to(step.device).float()
         finite = torch.isfinite(step)
-        over = (finite & (step >= self.fmax)).float()
-        torch.maximum(self._window[:b], over, out=self._window[:b])
-        torch.maximum(self._window[b : 2 * b], (~finite).float(), out=self._window[b : 2 * b])
+        self._window[:b] += (finite & (step >= self.fmax)).float() * skip
+        bad = (~finite).float() * skip
+        torch.maximum(self._window[b : 2 * b], bad, out=self._window[b : 2 * b])
         largest = torch.where(finite, step, torch.zeros_like(step))
         torch.maximum(self._window[2 * b :], largest, out=self._window[2 * b :])
         step.zero_()
 
     def payload(self, due: bool) -> torch.Tensor | None:
-        """The rider's part at a reporting step (``due``): the window's ``[over, non-finite,
-        amax]`` per block; nothing otherwise (the window is folded on device)."""
-        self._fold()
+        """The rider's part at a reporting step (``due``): the window of the steps completed
+        since the last report, ``[over, non-finite, amax]`` per block; nothing otherwise. The
+        step in progress joins the next window (its skip is not agreed yet)."""
         if not due or self._window is None:
             return None
         return self._window.clone()
 
     def deliver(self, reduced: torch.Tensor, op: str, ranks: int) -> None:
         """The agreed window. Flags agree under MAX and SUM alike (> 0); a SUM of amaxes
-        bounds their maximum from above, so growth stays on the safe side."""
-        del op, ranks
-        self._agreed = reduced.clone()
+        bounds their maximum from above, so growth stays on the safe side; a SUM of counts is
+        brought back to the ranks' mean, rounded up."""
+        agreed = reduced.clone()
+        if op == "sum" and ranks > 1:
+            b = len(self.names)
+            agreed[:b] = torch.ceil(agreed[:b] / ranks)
+        self._agreed = agreed
 
-    def end_step(self, due: bool) -> None:
-        """After the step: fold a step that sent nothing; at a reporting step with no
-        collective (nothing to agree with), the local window is the job's."""
-        self._fold()
-        self._folded = False
-        if due and self._agreed is None and self._window is not None:
-            self._agreed = self._window.clone()
+    def end_step(self, due: bool, skipped: torch.Tensor) -> None:
+        """After the step, with its agreed skip flag: at a reporting step the window closes
+        (the local one when no collective ran: nothing to agree with); then this step is
+        folded in."""
+        if due:
+            if self._agreed is None and self._window is not None:
+                self._agreed = self._window.clone()
+            if self._window is not None:
+                self._window.zero_()
+        self._fold(skipped)
 
     # ------------------------------------------------------------------ decisions
-    def _blamed(self, over: list[float], bad: list[float]) -> dict[int, str]:
+    def _blamed(self, over: list[float], bad: list[float]) -> dict[int, tuple[int, str]]:
+        """Block -> (doublings to back off, reason)."""
         order = list(reversed(self._forward_order))  # backward order
         order += [i for i in range(len(self.names)) if i not in order]
-        blamed: dict[int, str] = {}
+        blamed: dict[int, tuple[int, str]] = {}
         for pos, i in enumerate(order):
             if over[i] > 0:
-                blamed[i] = "its scaled entering gradient passed the fp16 maximum"
+                steps = int(over[i])
+                reason = f"its scaled entering gradient passed the fp16 maximum on {steps} steps"
+                blamed[i] = (steps, reason)
             elif bad[i] > 0 and pos > 0:
                 prev = order[pos - 1]
                 if bad[prev] == 0 and prev not in blamed:
-                    blamed[prev] = "its leaving gradient went non-finite"
+                    blamed[prev] = (1, "its leaving gradient went non-finite")
         return blamed
 
     def decide(self, stats: NumericStats) -> list[BackwardScaleChange]:
@@ -352,8 +364,6 @@ class BackwardScales:
         numbers); returns (and logs) the changes made."""
         made: list[BackwardScaleChange] = []
         agreed, self._agreed = self._agreed, None
-        if self._window is not None:
-            self._window.zero_()
         if agreed is None:
             return made
         b = len(self.names)
@@ -364,7 +374,8 @@ class BackwardScales:
         for i in range(b):
             k = self.exponents[i]
             if i in blamed and k > 0:
-                self._change(stats.step, i, k - 1, blamed[i], made)
+                steps, reason = blamed[i]
+                self._change(stats.step, i, max(0, k - steps), reason, made)
                 continue
             under = None if i in self.pinned else self.underflow(i, stats)
             if under is None or under <= self.rules.grow_above or k >= high:
@@ -421,7 +432,7 @@ class BackwardScales:
         window = state["window"]
         device = self._window.device if self._window is not None else torch.device("cpu")
         self._window = None if window is None else torch.tensor(window, device=device)
-        self._step, self._agreed, self._folded = None, None, False
+        self._step, self._agreed = None, None
 
     def remove(self) -> None:
         """Take the hooks off (exponents and log stay)."""
