@@ -166,6 +166,50 @@ def test_blocks_default_and_patterns() -> None:
     assert scales.pinned == {0, 2}  # never scaled: one gradient cannot carry two factors
 
 
+def test_factors_cancel_outside_the_block_with_in_place_ops() -> None:
+    """With ``k = 3`` on the middle block, its parameters' gradients are exactly 8x, every other
+    gradient is bitwise unchanged, also when the block modifies its input in place and the
+    caller modifies its output in place."""
+
+    class Mid(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(torch.relu_(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.mid, self.b = nn.Linear(4, 4), Mid(), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x) + 0
+            bypass = h * 1.0  # taken before the block modifies h in place
+            y = self.mid(h)
+            y.mul_(2)
+            return self.b(y + bypass)
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(3, 4)
+
+    def grads(k: int) -> list[torch.Tensor]:
+        scales = AutocastPolicy("fp16", backward_scales=True).backward_scales
+        assert scales is not None
+        scales.bind(net)
+        scales.exponents[scales.names.index("mid")] = k
+        net.zero_grad()
+        net(x).sum().backward()
+        scales.remove()
+        return [p.grad.clone() for p in net.parameters()]  # type: ignore[union-attr]
+
+    plain, scaled = grads(0), grads(3)
+    names = [n for n, _ in net.named_parameters()]
+    for name, a, b in zip(names, plain, scaled, strict=True):
+        assert torch.equal(a * (8 if name.startswith("mid.") else 1), b), name
+
+
 # ---------------------------------------------------------------------------- the scaler
 
 

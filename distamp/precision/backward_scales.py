@@ -20,7 +20,9 @@ outermost modules matching ``BackwardScaleRules.blocks`` patterns. Blocks never 
 parameter outside every block keeps exponent 0, and so do blocks that share a parameter with
 another block (tied weights: one gradient, two factors), which are never scaled. A tensor
 reaching a block other than through its forward arguments (a captured module attribute, a
-closure) skips the exit factor: keep such blocks out of the patterns.
+closure) skips the exit factor: keep such blocks out of the patterns. A block with ``k != 0``
+receives copies of its floating inputs (the exit factor's autograd function): one that modifies
+an input in place then modifies the copy, and the caller's tensor stays as it was.
 
 **Decisions** run at the numeric monitor's reports, from agreed numbers only, so every rank
 changes the same exponents at the same step:
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -148,32 +151,33 @@ def select_blocks(
     return expand("", model)
 
 
-class _Enter(torch.autograd.Function):
-    """Identity forward; backward: record the entering gradient's amax (times the factor, in
-    fp32) and multiply the gradient by the block's factor."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, factor: float, owner: BackwardScales, i: int) -> Any:
-        ctx.factor, ctx.owner, ctx.index = factor, owner, i
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ctx.owner.record_entry(ctx.index, grad, ctx.factor)
-        return (grad * ctx.factor if ctx.factor != 1.0 else grad), None, None, None
-
-
 class _Leave(torch.autograd.Function):
-    """Identity forward; backward: the block's factor taken off where the gradient leaves."""
+    """Identity forward; backward: the block's factor taken off where the gradient leaves.
+
+    A copy, not a view: a block may modify its input in place (``relu_``), which autograd
+    forbids on a custom function's view. Only blocks with ``k != 0`` pay it."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, factor: float) -> Any:
         ctx.factor = factor
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         return grad * ctx.factor, None
+
+
+def _grad_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every floating tensor that requires grad in a nested structure."""
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad and value.is_floating_point():
+            yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _grad_tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _grad_tensors(v)
 
 
 def _map_grad_tensors(value: Any, fn: Any) -> Any:
@@ -270,13 +274,22 @@ class BackwardScales:
         return pre
 
     def _post(self, i: int) -> Any:
-        def post(_m: nn.Module, _args: Any, output: Any) -> Any:
+        """A tensor hook on each output (not a function wrapping it: the caller may modify the
+        output in place): the entering gradient recorded and multiplied by ``2**k``."""
+
+        def post(_m: nn.Module, _args: Any, output: Any) -> None:
             if not torch.is_grad_enabled():
-                return None
+                return
             if i not in self._forward_order:
                 self._forward_order.append(i)
             factor = 2.0 ** self.exponents[i]
-            return _map_grad_tensors(output, lambda t: _Enter.apply(t, factor, self, i))
+
+            def enter(grad: torch.Tensor) -> torch.Tensor | None:
+                self.record_entry(i, grad, factor)
+                return grad * factor if factor != 1.0 else None
+
+            for t in _grad_tensors(output):
+                t.register_hook(enter)
 
         return post
 
