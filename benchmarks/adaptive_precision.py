@@ -11,7 +11,16 @@ clipping at 1.0) with and without the numeric monitor at its default interval (1
 interleaved so that drift hits both alike. Printed: median step, the monitor's cost per step
 and its share of the step (target: under 2%).
 
-Run: ``python benchmarks/adaptive_precision.py [--steps 150] [--gpt-steps 40] [--threads 1]``.
+Part 3, per-block backward scales (``AutocastPolicy("fp16", backward_scales=True)``) on a deep
+model whose blocks' gradients are further apart than fp16's range (RMS-normalised blocks with
+weight scales 2**15, 1 and 2**-14, learning rates proportional to them; block 0 feeds a 2-wide
+bottleneck): fp32, static fp16 and backward scales. Printed: final loss and its ratio to fp32,
+block 0's gradient underflow fraction (mean of the last 5 reports), its exponent, median step.
+Then the GPT of part 2 with the monitor alone vs backward scales (the blocks: tok, pos,
+blocks.0, blocks.1, ln_f, head), interleaved: the step-time ratio.
+
+Run: ``python benchmarks/adaptive_precision.py [--steps 150] [--gpt-steps 40] [--threads 1]
+[--deep-steps 200]``.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -113,11 +123,105 @@ def gpt_engine(monitor: bool) -> tuple[distamp.DistAMP, ShardedText]:
     return amp, data
 
 
+class Block(nn.Module):
+    """``tanh(rms_normalise(W x))``, ``W`` at scale ``w``: its gradient scales as ``1 / w``."""
+
+    def __init__(self, d_in: int, d_out: int, w: float) -> None:
+        super().__init__()
+        self.w = w
+        self.fc = nn.Linear(d_in, d_out, bias=False)
+        with torch.no_grad():
+            self.fc.weight.normal_(0, w / d_in**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).float()
+        return torch.tanh(h / (h.pow(2).mean(-1, keepdim=True).sqrt() + 1e-30))
+
+
+_W2 = torch.randn(D, 2, generator=torch.Generator().manual_seed(1))
+
+
+def deep_batch(k: int, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(n, D, generator=torch.Generator().manual_seed(100 + k))
+    return x * 2.0**-6, torch.tanh(x @ _W2).sum(-1, keepdim=True)
+
+
+def deep_run(name: str, steps: int, lr: float = 3e-3) -> tuple[float, float, int, float]:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        Block(D, 2, 2.0**15), Block(2, 32, 1.0), Block(32, 32, 2.0**-14), nn.Linear(32, 1)
+    )
+    groups = [{"params": b.parameters(), "lr": lr * b.w} for b in net[:3]]  # type: ignore[union-attr]
+    groups.append({"params": net[3].parameters(), "lr": lr})
+    precision = "fp32" if name == "fp32" else "fp16"
+    policy = None  # the same policy (fp32 ops, norms) for both fp16 runs: only the scales differ
+    if name != "fp32":
+        policy = AutocastPolicy("fp16", backward_scales=name == "backward scales")
+    interval = None if name == "fp32" else 10
+    amp = distamp.DistAMP(precision, strategy="none", policy=policy, numerics_interval=interval)
+    model, _ = amp.setup(net, lambda _p: torch.optim.Adam(groups))
+    times, under = [], []
+    for k in range(steps):
+        x, y = deep_batch(k)
+        t0 = time.perf_counter()
+        with amp.autocast():
+            loss = F.mse_loss(model(x).float(), y)
+        amp.backward_and_step(loss)
+        times.append(time.perf_counter() - t0)
+        stats = amp.numerics()
+        if stats is not None and stats.step == k + 1:
+            under.append(stats.underflow["0.fc.weight"])
+    x, y = deep_batch(10**6, n=4096)
+    with torch.no_grad():
+        final = F.mse_loss(net(x), y).item()
+    exponent = amp.adaptive.grad_exponents.get("0", 0) if amp.adaptive is not None else 0
+    amp.close()
+    late = under[-5:]
+    mean_late = sum(late) / len(late) if late else float("nan")
+    return final, mean_late, exponent, statistics.median(times)
+
+
+def gpt_scaled_engine(scales: bool) -> tuple[distamp.DistAMP, ShardedText]:
+    """The monitor alone (interval 10) vs the monitor plus backward scales."""
+    torch.manual_seed(0)
+    policy = AutocastPolicy("fp16", backward_scales=True) if scales else None
+    amp = distamp.DistAMP(
+        "fp16", strategy="none", max_grad_norm=1.0, numerics_interval=10, policy=policy
+    )
+    amp.setup(GPT(GPTConfig()), lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True))
+    data = ShardedText(
+        load_text(DATA_FILE),
+        context=GPTConfig().context,
+        batch_size=16,
+        rank=0,
+        world_size=1,
+        seed=0,
+        device=torch.device("cpu"),
+    )
+    return amp, data
+
+
+def interleaved(engines: dict[bool, tuple[distamp.DistAMP, ShardedText]], steps: int) -> Any:
+    times: dict[bool, list[float]] = {k: [] for k in engines}
+    for i in range(steps + 3):
+        for key, (amp, data) in engines.items():
+            t0 = time.perf_counter()
+            with amp.autocast():
+                loss = lm_loss(amp.model, data.batch(i))
+            amp.backward_and_step(loss)
+            if i >= 3:
+                times[key].append(time.perf_counter() - t0)
+    for amp, _ in engines.values():
+        amp.close()
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--gpt-steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--deep-steps", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, cpu, {args.threads} thread(s)")
@@ -133,23 +237,30 @@ def main() -> None:
         )
 
     print(f"\n2. numeric monitor on the main job's GPT, {args.gpt_steps} steps, interval 10")
-    engines = {m: gpt_engine(m) for m in (False, True)}
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for i in range(args.gpt_steps + 3):
-        for monitor, (amp, data) in engines.items():
-            t0 = time.perf_counter()
-            with amp.autocast():
-                loss = lm_loss(amp.model, data.batch(i))
-            amp.backward_and_step(loss)
-            if i >= 3:
-                times[monitor].append(time.perf_counter() - t0)
-    base, mon = statistics.median(times[False]), statistics.median(times[True])
+    base, mon = interleaved({m: gpt_engine(m) for m in (False, True)}, args.gpt_steps)
     print(f"{'configuration':16} {'median ms':>10}")
     print(f"{'no monitor':16} {base * 1e3:10.2f}")
     print(f"{'monitor':16} {mon * 1e3:10.2f}")
     print(f"monitor cost per step: {(mon - base) * 1e3:.2f} ms = {(mon - base) / base:.1%}")
-    for amp, _ in engines.values():
-        amp.close()
+
+    print(f"\n3. backward scales on a deep model, {args.deep_steps} steps")
+    print(f"{'run':16} {'final loss':>11} {'vs fp32':>8} {'underflow':>10} {'2**k':>5} {'ms':>7}")
+    deep_run("static fp16", 20)  # warm-up: the first run pays lazy initialisation
+    deep = {n: deep_run(n, args.deep_steps) for n in ("fp32", "static fp16", "backward scales")}
+    ref = deep["fp32"][0]
+    for name, (final, under, exponent, step) in deep.items():
+        print(
+            f"{name:16} {final:11.4f} {final / ref:8.3f} {under:10.3f} {exponent:5d} "
+            f"{step * 1e3:7.2f}"
+        )
+    static_under, scaled_under = deep["static fp16"][1], deep["backward scales"][1]
+    ratio = static_under / scaled_under if scaled_under > 0 else float("inf")
+    print(f"underflow, static / backward scales: {ratio:.1f}x")
+    step_ratio = deep["backward scales"][3] / deep["static fp16"][3]
+    print(f"step time, backward scales / static fp16 (deep model): {step_ratio:.3f}")
+    base, scaled = interleaved({s: gpt_scaled_engine(s) for s in (False, True)}, args.gpt_steps)
+    print(f"GPT step, monitor alone {base * 1e3:.2f} ms, with backward scales "
+          f"{scaled * 1e3:.2f} ms: ratio {scaled / base:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from distamp.arguments import integer_or_none
 from distamp.precision.adaptive import AdaptivePrecision, AdaptiveRules
+from distamp.precision.backward_scales import BackwardScaleRules, BackwardScales
 from distamp.precision.casts import to_fp32
 from distamp.precision.fp8_select import Float8Settings
 
@@ -275,6 +276,10 @@ class AutocastPolicy:
         adaptive: ``True`` or an :class:`~distamp.precision.adaptive.AdaptiveRules`: modules
             are promoted to fp32 when the agreed numbers say so (see
             :mod:`distamp.precision.adaptive`; driven by :class:`~distamp.DistAMP`).
+        backward_scales: fp16 only, ``True`` or a
+            :class:`~distamp.precision.backward_scales.BackwardScaleRules`: each block's
+            gradients get their own power-of-two scale on top of the loss scale (see
+            :mod:`distamp.precision.backward_scales`; driven by :class:`~distamp.DistAMP`).
 
         With ``"fp8"``, the Linear layers outside the fp32 modules that pass the fp8 rules run
         in float8 and everything else as under ``"bf16"`` (see :mod:`distamp.precision.fp8`); the
@@ -299,9 +304,11 @@ class AutocastPolicy:
         fp8_exclude: Iterable[str] = (),
         fp8_all_gather: bool | None = None,
         adaptive: bool | AdaptiveRules = False,
+        backward_scales: bool | BackwardScaleRules = False,
     ) -> None:
         self.precision = parse_precision(precision)
         self.adaptive = AdaptivePrecision.from_arg(adaptive, self.precision.name)
+        self.backward_scales = BackwardScales.from_arg(backward_scales, self.precision.name)
         if fp8_min_features is not None and integer_or_none(fp8_min_features) is not None:
             fp8_min_features = integer_or_none(fp8_min_features)  # numpy / 0-d tensor: a plain int
         fp8_options = {

@@ -101,7 +101,7 @@ def local_norm_term(
                 sumsq = unscale_check_sumsq_(
                     grads,
                     flag,
-                    inv_scale.to(device),
+                    (inv_scale * group.factor if group.factor != 1.0 else inv_scale).to(device),
                     write=False,
                     compute_sumsq=True,
                     per_tensor_flags=(
@@ -186,13 +186,15 @@ def scale_grads_(groups: Sequence[GradGroup], factor: torch.Tensor) -> None:
     for 10M bf16 elements in 500 tensors on an H100), and rounding the factor to bf16 would move
     the clip coefficient by up to 0.4%. Its overflow check is redundant here and free.
     """
-    factors: dict[torch.device, torch.Tensor] = {}
+    factors: dict[tuple[torch.device, float], torch.Tensor] = {}
     for group in groups:
         device = group.device
-        if device not in factors:
-            factors[device] = factor.to(device, torch.float32).reshape(())
+        key = (device, group.factor)  # backward-scale parts: their own power of two on top
+        if key not in factors:
+            base = factor.to(device, torch.float32).reshape(())
+            factors[key] = base * group.factor if group.factor != 1.0 else base
         scratch = torch.zeros((), dtype=torch.float32, device=device)
-        unscale_check_sumsq_(group.grads, scratch, factors[device], grouped=True)
+        unscale_check_sumsq_(group.grads, scratch, factors[key], grouped=True)
 
 
 def _reject_fp16_grads(optimizer: torch.optim.Optimizer) -> None:
@@ -241,7 +243,9 @@ def clip_step_grads_(
             "update(): clip once per optimizer step."
         )
     fused = is_fused(optimizer)
+    # per-block backward scales: a fused step's one grad_scale cannot unscale them, so unscale
     deferred = enabled and record.stage is OptState.READY and norm_type == 2.0
+    deferred = deferred and not (fused and steps.factored(optimizer))
     if scale is not None:
         home = scale.device
         if record.stage is OptState.READY and not deferred:
@@ -260,7 +264,7 @@ def clip_step_grads_(
     else:  # the gradients are unscaled already (or were never scaled)
         inv_scale = torch.ones((), dtype=torch.float32, device=home)
     reducer = steps.reducer_for([*steps.pending(), record])
-    groups = plan.groups(sparse_error=SPARSE_CLIP)
+    groups = plan.groups(sparse_error=SPARSE_CLIP, by_factor=deferred)
     term = local_norm_term(
         groups,
         norm_type=norm_type,

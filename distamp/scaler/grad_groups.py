@@ -8,6 +8,13 @@ does not change between steps is cached per optimizer in a :class:`GradPlan`: th
 list and whether any parameter is a DTensor. Each step then only reads ``p.grad`` and lets torch's
 C++ grouping (the one ``torch.nn.utils.clip_grad_norm_`` uses) sort the tensors: ~0.1 ms for 400.
 
+Per-block backward scales (:mod:`distamp.precision.backward_scales`) leave each parameter's
+gradient multiplied by its own power of two on top of the loss scale.
+:meth:`GradPlans.set_exponents` records those exponents (host integers, changed only at agreed
+reporting steps); a plan then splits each (device, dtype) group by exponent, and each part is
+unscaled with its own factor in the same single pass: still one read per gradient, one kernel
+launch per distinct factor.
+
 The plan is keyed by the identity of every parameter, checked at every step, so adding a
 parameter group or swapping a parameter rebuilds it. Gradients themselves are never cached:
 ``zero_grad(set_to_none=True)`` gives new tensors every step, and they are read afresh.
@@ -36,23 +43,51 @@ class GradGroup:
     dtype: torch.dtype
     grads: list[torch.Tensor]
     params: list[torch.Tensor]
+    factor: float = 1.0  # 2**-exponent: what unscaling multiplies on top of 1 / scale
+
+
+def _split_by_factor(group: GradGroup, exponents: dict[int, int]) -> list[GradGroup]:
+    """``group`` split by its parameters' gradient exponents (order kept within each part)."""
+    parts: dict[int, GradGroup] = {}
+    for grad, param in zip(group.grads, group.params, strict=True):
+        k = exponents.get(id(param), 0)
+        part = parts.get(k)
+        if part is None:
+            part = parts[k] = GradGroup(group.device, group.dtype, [], [], 2.0**-k)
+        part.grads.append(grad)
+        part.params.append(param)
+    return list(parts.values())
 
 
 class GradPlan:
     """What is fixed about one optimizer's parameters (see module doc)."""
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, params: list[torch.Tensor], exponents: dict[int, int] | None = None) -> None:
         self.params = params
+        self.exponents = exponents or {}  # id(param) -> gradient exponent (non-zero ones)
         self.key = tuple(map(id, params))
         # DTensor gradients must be turned into their local shards one by one.
         self.plain = not any(is_dtensor(p) for p in params)
 
+    @property
+    def factored(self) -> bool:
+        """Whether some gradient carries a backward-scale exponent (see module doc)."""
+        return bool(self.exponents)
+
     def groups(
-        self, *, allow_fp16: bool = True, sparse_error: str | None = None
+        self, *, allow_fp16: bool = True, sparse_error: str | None = None, by_factor: bool = False
     ) -> list[GradGroup]:
         """This step's gradients, grouped. A sparse gradient counts as its values (an fp16 one
         is coalesced in place first, as torch's scaler does), or raises ``ValueError`` with
-        ``sparse_error`` when given."""
+        ``sparse_error`` when given. ``by_factor``: split further by backward-scale exponent,
+        each part's ``factor`` set (for a pass that unscales; a pass over gradients already
+        unscaled must not apply it)."""
+        groups = self._groups(allow_fp16, sparse_error)
+        if not by_factor or not self.exponents:
+            return groups
+        return [part for group in groups for part in _split_by_factor(group, self.exponents)]
+
+    def _groups(self, allow_fp16: bool, sparse_error: str | None) -> list[GradGroup]:
         params = self.params
         grads = [p.grad for p in params]
         owners = params
@@ -117,14 +152,26 @@ class GradPlans:
 
     def __init__(self) -> None:
         self._plans: weakref.WeakKeyDictionary[Any, GradPlan] = weakref.WeakKeyDictionary()
+        self._exponents: dict[int, int] = {}
 
     def for_optimizer(self, optimizer: torch.optim.Optimizer) -> GradPlan:
         """The optimizer's plan, rebuilt when its parameters changed since the last call."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         plan = self._plans.get(optimizer)
         if plan is None or plan.key != tuple(map(id, params)):
-            plan = self._plans[optimizer] = GradPlan(params)
+            mine = {id(p) for p in params}
+            exponents = {i: k for i, k in self._exponents.items() if i in mine}
+            plan = self._plans[optimizer] = GradPlan(params, exponents)
         return plan
+
+    def set_exponents(self, exponents: dict[int, int]) -> None:
+        """Gradient exponents by ``id(param)`` (zeros may be left out); plans rebuild."""
+        self._exponents = {i: int(k) for i, k in exponents.items() if int(k) != 0}
+        self.clear()
+
+    @property
+    def exponents(self) -> dict[int, int]:
+        return dict(self._exponents)
 
     def clear(self) -> None:
         self._plans = weakref.WeakKeyDictionary()
@@ -142,16 +189,20 @@ def check_groups_(
     nothing to train) still has a flag for the collective. No host sync."""
     write = inv_scale is not None
     flags = {found_inf.device: found_inf}
-    factors: dict[torch.device, torch.Tensor] = {}
+    factors: dict[tuple[torch.device, float], torch.Tensor] = {}
     for group in groups:
         device = group.device
         flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
-        factor = factors.get(device)
+        factor = factors.get((device, group.factor))
         if factor is None:
-            factor = factors[device] = (
+            base = (
                 inv_scale.to(device, non_blocking=True)
                 if inv_scale is not None
                 else torch.ones((), dtype=torch.float32, device=device)
+            )
+            # a power of two: the product is exact
+            factor = factors[device, group.factor] = (
+                base * group.factor if write and group.factor != 1.0 else base
             )
         per_tensor = None if recorder is None else recorder.new_flags(group.params, device)
         unscale_check_sumsq_(

@@ -281,7 +281,7 @@ class DistributedGradScaler(ScalerReporting):
         one pass per group (see check_groups_); returns the local flags per device."""
         plan = self._steps.plans.for_optimizer(optimizer)
         with torch.no_grad():
-            groups = plan.groups(allow_fp16=allow_fp16)
+            groups = plan.groups(allow_fp16=allow_fp16, by_factor=inv_scale is not None)
             return check_groups_(groups, found_inf, inv_scale, self._overflow)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -394,6 +394,8 @@ class DistributedGradScaler(ScalerReporting):
                 "per iteration, after stepping every optimizer."
             )
         fused = is_fused(optimizer)
+        if fused and record.stage is OptState.READY and self._steps.factored(optimizer):
+            self.unscale_(optimizer)  # per-block factors: a fused step's one grad_scale cannot
         if fused and takes_grad_scaler(optimizer):
             # The optimizer asks the scaler itself (through _check_inf_per_device /
             # _found_inf_per_device, which agree across ranks here).

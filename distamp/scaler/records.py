@@ -164,9 +164,13 @@ class StepAgreement:
         plan = self.prepare(optimizer, record)
         found_inf = torch.zeros((), dtype=torch.float32, device=home)
         with torch.no_grad():
-            groups = plan.groups(allow_fp16=allow_fp16)
+            groups = plan.groups(allow_fp16=allow_fp16, by_factor=inv_scale is not None)
             record.local_flags = check_groups_(groups, found_inf, inv_scale, recorder)
         record.found_inf = None
+
+    def factored(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether some of the optimizer's gradients carry a backward-scale exponent."""
+        return self.plans.for_optimizer(optimizer).factored
 
     def pending(self) -> list[OptimizerStep]:
         """The records whose local flags wait for the collective, in the order of first use."""

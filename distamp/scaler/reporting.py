@@ -7,6 +7,7 @@ machine (scale -> unscale -> step -> update) in :mod:`distamp.scaler`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -80,6 +81,15 @@ class ScalerReporting(torch.amp.GradScaler):
         kept
         for skipped steps and appears in :meth:`overflow_report`. ``None`` detaches."""
         self._tracer = tracer
+
+    def set_grad_exponents(self, exponents: Mapping[torch.Tensor, int] | None) -> None:
+        """Each parameter's gradient arrives multiplied by ``2**k`` on top of the loss scale
+        (per-block backward scales, :mod:`distamp.precision.backward_scales`): unscale it by
+        ``2**-k`` too, in the same one pass (the gradients grouped by factor). ``None`` or
+        empty: every ``k`` is 0. Set it identically on every rank, between steps."""
+        self._steps.plans.set_exponents(
+            {} if exponents is None else {id(p): int(k) for p, k in exponents.items()}
+        )
 
     def attach_rider(self, rider: reduction.Rider | None) -> None:
         """Let ``rider``'s statistics (:class:`~distamp.observe.numerics.NumericMonitor`) travel

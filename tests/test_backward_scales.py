@@ -1,0 +1,349 @@
+"""Per-block backward scales: a deep model whose blocks' gradients are further apart than fp16's
+range, so one loss scale flushes the small block's gradients.
+
+The blocks are RMS-normalised linear maps: a normalised block's weight gradient is inversely
+proportional to its weight scale, and each block's learning rate is proportional to it (muP
+style), so in fp32 every block learns alike. Block 0 (weights ``2**15``) feeds a 2-wide
+bottleneck the target depends on; block 2 (weights ``2**-14``) has the largest gradients, which
+set the loss scale. Static fp16 leaves most of block 0's gradients zero or subnormal and ends
+far from fp32; with backward scales block 0's exponent rises and the run ends near fp32. Real
+engines, real gloo process groups; fp16 autocast runs on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist import run_ranks
+from torch import nn
+
+import distamp
+from distamp import AutocastPolicy
+from distamp.precision.backward_scales import BackwardScaleRules, select_blocks
+
+D, H, STEPS, LR, INTERVAL = 16, 32, 200, 3e-3, 10
+WEIGHT_SCALES = (2.0**15, 1.0, 2.0**-14)
+
+
+class Block(nn.Module):
+    """``tanh(rms_normalise(W x))`` with ``W`` initialised at scale ``w``."""
+
+    def __init__(self, d_in: int, d_out: int, w: float) -> None:
+        super().__init__()
+        self.w = w
+        self.fc = nn.Linear(d_in, d_out, bias=False)
+        with torch.no_grad():
+            self.fc.weight.normal_(0, w / d_in**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).float()
+        return torch.tanh(h / (h.pow(2).mean(-1, keepdim=True).sqrt() + 1e-30))
+
+
+def deep_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    small, mid, large = WEIGHT_SCALES
+    return nn.Sequential(Block(D, 2, small), Block(2, H, mid), Block(H, H, large), nn.Linear(H, 1))
+
+
+_W = torch.randn(D, 2, generator=torch.Generator().manual_seed(1))
+
+
+def batch(k: int, rank: int = 0, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs in small units (``2**-6``); the target depends on two directions of them."""
+    g = torch.Generator().manual_seed(100 + k + 7919 * rank)
+    x = torch.randn(n, D, generator=g)
+    return x * 2.0**-6, torch.tanh(x @ _W).sum(-1, keepdim=True)
+
+
+def optimizer(model: nn.Module) -> Any:
+    blocks = [{"params": b.parameters(), "lr": LR * b.w} for b in model[:3]]  # type: ignore[index]
+    head = {"params": model[3].parameters(), "lr": LR}  # type: ignore[index]
+    return lambda _params: torch.optim.Adam([*blocks, head])
+
+
+def make(
+    precision: str, backward_scales: bool | BackwardScaleRules, *, strategy: str = "none"
+) -> tuple[distamp.DistAMP, nn.Module]:
+    net = deep_net()
+    policy = (
+        AutocastPolicy(precision, backward_scales=backward_scales) if precision == "fp16" else None
+    )
+    interval = INTERVAL if precision == "fp16" else None
+    amp = distamp.DistAMP(precision, strategy=strategy, policy=policy, numerics_interval=interval)
+    amp.setup(net, optimizer(net))
+    return amp, net
+
+
+def train(amp: distamp.DistAMP, start: int, stop: int, rank: int = 0) -> list[float]:
+    """Steps ``start..stop``; returns block 0's underflow fraction at each report."""
+    under = []
+    for k in range(start, stop):
+        x, y = batch(k, rank)
+        with amp.autocast():
+            loss = F.mse_loss(amp.model(x).float(), y)
+        amp.backward_and_step(loss)
+        stats = amp.numerics()
+        if stats is not None and stats.step == k + 1:
+            under.append(stats.underflow["0.fc.weight"])
+    return under
+
+
+def eval_loss(net: nn.Module) -> float:
+    x, y = batch(10**6, n=4096)
+    with torch.no_grad():
+        return F.mse_loss(net(x), y).item()
+
+
+@functools.cache
+def run(precision: str, backward_scales: bool) -> tuple[float, list[float], dict[str, int]]:
+    amp, net = make(precision, backward_scales)
+    under = train(amp, 0, STEPS)
+    exponents = amp.adaptive.grad_exponents if amp.adaptive is not None else {}
+    amp.close()
+    return eval_loss(net), under, exponents
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"grow_above": 1.0}, "grow_above"),
+        ({"grow_above": -0.1}, "grow_above"),
+        ({"grow_above": True}, "grow_above"),
+        ({"headroom_bits": -1}, "headroom_bits"),
+        ({"max_growth": 0}, "max_growth"),
+        ({"max_exponent": 0}, "max_exponent"),
+        ({"max_exponent": 2.5}, "max_exponent"),
+        ({"blocks": "layers.*"}, "blocks"),
+        ({"blocks": ()}, "blocks"),
+    ],
+)
+def test_bad_rules_name_the_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=f"BackwardScaleRules.{field}="):
+        BackwardScaleRules(**kwargs)
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="backward_scales=True with precision='bf16'"):
+        AutocastPolicy("bf16", backward_scales=True)
+    with pytest.raises(ValueError, match="backward_scales='yes'"):
+        AutocastPolicy("fp16", backward_scales="yes")  # type: ignore[arg-type]
+    policy = AutocastPolicy("fp16", backward_scales=BackwardScaleRules(blocks=("nothing*",)))
+    amp = distamp.DistAMP("fp16", strategy="none", policy=policy)
+    with pytest.raises(ValueError, match=r"BackwardScaleRules\(blocks="):
+        amp.setup(deep_net(), torch.optim.SGD(deep_net().parameters(), lr=0.1))
+    scaler = distamp.DistributedGradScaler("cpu", enabled=False)
+    amp = distamp.DistAMP("fp16", strategy="none", scaler=scaler,
+                          policy=AutocastPolicy("fp16", backward_scales=True))  # fmt: skip
+    with pytest.raises(ValueError, match="backward_scales=True needs the fp16 loss scaler"):
+        amp.setup(deep_net(), optimizer(deep_net()))
+
+
+def test_blocks_default_and_patterns() -> None:
+    class Tf(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(4, 4)
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(4, 4)) for _ in range(2)])
+            self.act = nn.ReLU()
+
+    assert [n for n, _ in select_blocks(Tf())] == ["embed", "layers.0", "layers.1"]
+    assert [n for n, _ in select_blocks(Tf(), ("layers.*",))] == ["layers.0", "layers.1"]
+    tied = Tf()
+    tied.layers[1][0].weight = tied.embed.weight  # one parameter in two blocks
+    scales = AutocastPolicy("fp16", backward_scales=True).backward_scales
+    assert scales is not None
+    scales.bind(tied)
+    assert scales.pinned == {0, 2}  # never scaled: one gradient cannot carry two factors
+
+
+def test_factors_cancel_outside_the_block_with_in_place_ops() -> None:
+    """With ``k = 3`` on the middle block, its parameters' gradients are exactly 8x, every other
+    gradient is bitwise unchanged, also when the block modifies its input in place and the
+    caller modifies its output in place."""
+
+    class Mid(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(torch.relu_(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.mid, self.b = nn.Linear(4, 4), Mid(), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x) + 0
+            bypass = h * 1.0  # taken before the block modifies h in place
+            y = self.mid(h)
+            y.mul_(2)
+            return self.b(y + bypass)
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(3, 4)
+
+    def grads(k: int) -> list[torch.Tensor]:
+        scales = AutocastPolicy("fp16", backward_scales=True).backward_scales
+        assert scales is not None
+        scales.bind(net)
+        scales.exponents[scales.names.index("mid")] = k
+        net.zero_grad()
+        net(x).sum().backward()
+        scales.remove()
+        return [p.grad.clone() for p in net.parameters()]  # type: ignore[union-attr]
+
+    plain, scaled = grads(0), grads(3)
+    names = [n for n, _ in net.named_parameters()]
+    for name, a, b in zip(names, plain, scaled, strict=True):
+        assert torch.equal(a * (8 if name.startswith("mid.") else 1), b), name
+
+
+# ---------------------------------------------------------------------------- the scaler
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("clip", [False, True])
+def test_each_gradient_unscaled_by_its_own_factor(fused: bool, clip: bool) -> None:
+    """Gradients multiplied by ``scale * 2**k`` come out of the step as if unscaled by the
+    loss scale alone: plain and fused optimizers, with and without the one-pass clip."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(5)) for _ in range(3)]
+    ref = [nn.Parameter(p.detach().clone()) for p in params]
+    grads = [torch.randn(5) for _ in params]
+    exponents = {params[0]: 3, params[2]: 7}
+    scaler = distamp.DistributedGradScaler("cpu", init_scale=2.0**10)
+    scaler.set_grad_exponents(exponents)
+    opt = torch.optim.Adam(params, lr=0.1, fused=fused)
+    ref_opt = torch.optim.Adam(ref, lr=0.1, fused=fused)
+    scaler.scale(torch.zeros(()))  # creates the scale
+    for p, r, g in zip(params, ref, grads, strict=True):
+        p.grad = g * 2.0**10 * 2.0 ** exponents.get(p, 0)
+        r.grad = g.clone()
+    if clip:
+        norm = scaler.clip_grad_norm_(opt, 1.0)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        torch.testing.assert_close(norm, ref_norm)
+    scaler.step(opt)
+    scaler.update()
+    ref_opt.step()
+    for p, r in zip(params, ref, strict=True):
+        torch.testing.assert_close(p, r)
+
+
+# ---------------------------------------------------------------------------- single process
+
+
+def test_fp32_gradients_span_more_than_fp16s_range() -> None:
+    net = deep_net()
+    x, y = batch(0)
+    F.mse_loss(net(x), y).backward()
+    largest = max(p.grad.abs().max().item() for p in net.parameters())  # type: ignore[union-attr]
+    small = net[0].fc.weight.grad.abs()  # type: ignore[union-attr]
+    # the one scale that keeps the largest gradient finite puts these under fp16's normal range
+    scale = torch.finfo(torch.float16).max / largest
+    flushed = (small * scale < torch.finfo(torch.float16).tiny).float().mean().item()
+    assert flushed > 0.25, flushed
+    assert math.log2(largest / small.max().item()) > 20  # the blocks' largest gradients too
+
+
+def test_backward_scales_lift_the_small_block() -> None:
+    ref, _, _ = run("fp32", False)
+    static, static_under, _ = run("fp16", False)
+    scaled, scaled_under, exponents = run("fp16", True)
+    late_static = sum(static_under[-5:]) / 5
+    late_scaled = sum(scaled_under[-5:]) / 5
+    assert late_static > 0.3, static_under  # static fp16: the small block's gradients flushed
+    assert late_scaled * 10 <= late_static, (late_scaled, late_static)
+    assert exponents["0"] > 0 and exponents["2"] == 0, exponents
+    assert abs(scaled - ref) < abs(static - ref), (ref, static, scaled)
+    assert abs(scaled - ref) / ref < 0.05, (ref, scaled)
+
+
+def test_a_block_that_overflows_backs_off_alone() -> None:
+    """Block 0's exponent forced far too high: its scaled gradient overflows, the steps skip on
+    the one agreed flag, and at the next report block 0 alone backs off, by one doubling per
+    step it overflowed."""
+    amp, _ = make("fp16", True)
+    train(amp, 0, 40)
+    assert amp.adaptive is not None and amp.adaptive.scales is not None
+    scales = amp.adaptive.scales
+    before = dict(amp.adaptive.grad_exponents)
+    skipped = amp.scaler.skipped_steps
+    scales.exponents[0] = 24  # far past what fp16 holds
+    amp.scaler.set_grad_exponents(scales.grad_exponents())
+    train(amp, 40, 50)
+    overflowed = amp.scaler.skipped_steps - skipped
+    assert overflowed >= 1
+    backoff = [c for c in scales.changes if c.step == 50]
+    assert [(c.block, c.before, c.after) for c in backoff] == [("0", 24, 24 - overflowed)]
+    assert "passed the fp16 maximum" in backoff[0].reason
+    after = amp.adaptive.grad_exponents
+    assert {b: k for b, k in after.items() if b != "0"} == {
+        b: k for b, k in before.items() if b != "0"
+    }
+    amp.close()
+
+
+def test_save_resume_is_bitwise_equal(tmp_path: Path) -> None:
+    steps, cut = 60, 25  # a save in the middle of a report window (interval 10)
+    amp, net = make("fp16", True)
+    train(amp, 0, steps)
+    ref = [p.detach().clone() for p in net.parameters()]
+    assert amp.adaptive is not None
+    ref_exponents = amp.adaptive.grad_exponents
+    ref_changes = list(amp.adaptive.scales.changes)  # type: ignore[union-attr]
+    amp.close()
+    assert ref_exponents["0"] > 0
+
+    amp, _ = make("fp16", True)
+    train(amp, 0, cut)
+    amp.save_state(tmp_path)
+    amp.close()
+    amp, net = make("fp16", True)
+    assert amp.load_state(tmp_path)
+    assert amp.adaptive is not None
+    train(amp, cut, steps)
+    assert amp.adaptive.grad_exponents == ref_exponents
+    assert amp.adaptive.scales.changes == ref_changes  # type: ignore[union-attr]
+    for a, b in zip(ref, net.parameters(), strict=True):
+        assert torch.equal(a, b)
+    amp.close()
+
+
+# ---------------------------------------------------------------------------- two ranks
+
+
+def _two_ranks(rank: int, world: int) -> dict[str, object]:
+    amp, net = make("fp16", True, strategy="ddp")
+    train(amp, 0, 40, rank=rank)  # each rank its own data
+    assert amp.adaptive is not None and amp.adaptive.scales is not None
+    out = {
+        "exponents": amp.adaptive.grad_exponents,
+        "changes": [(c.step, c.block, c.after) for c in amp.adaptive.scales.changes],
+        # plain lists: tensors through the result queue outlive their sender's shared memory
+        "params": [p.detach().flatten().tolist() for p in net.parameters()],
+        "skipped": amp.scaler.skipped_steps,
+    }
+    amp.close()
+    return out
+
+
+def test_two_ranks_agree_on_factors_and_parameters() -> None:
+    r0, r1 = run_ranks(_two_ranks, 2, timeout=240)
+    assert r0["exponents"] == r1["exponents"]
+    assert r0["exponents"]["0"] > 0  # type: ignore[index]
+    assert r0["changes"] == r1["changes"] and r0["changes"]
+    assert r0["skipped"] == r1["skipped"]
+    assert r0["params"] == r1["params"]  # bitwise: fp32 values as Python floats
