@@ -186,3 +186,34 @@ def test_fsdp2_float8_all_gather_is_refused() -> None:
     assert "'mid' has its weight all-gathered in float8 by FSDP2" in refused
     assert "fp8_all_gather=False" in refused
     assert plain == "ok"
+
+
+def _two_ranks(rank: int, world: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    net = Net()
+    policy = AutocastPolicy("fp8", fp8_min_features=16, adaptive=RULES)
+    amp = distamp.DistAMP("fp8", strategy="ddp", policy=policy)
+    amp.setup(net, lambda p: torch.optim.AdamW(p, lr=3e-3))
+    for k in range(8):
+        x, y = batch(100 * rank + k, spike=rank == 1)  # only rank 1's input has the outlier
+        with amp.autocast():
+            loss = F.mse_loss(amp.model(x).float(), y)
+        amp.backward_and_step(loss)
+    assert policy.adaptive is not None
+    stats = amp.numerics()
+    out = {
+        "changes": [(c.step, c.module, c.before, c.after) for c in policy.adaptive.changes],
+        "flush": None if stats is None else stats.fp8_flush,
+        "params": [p.detach().flatten().tolist() for p in net.parameters()],
+    }
+    amp.close()
+    return out
+
+
+def test_two_ranks_fall_back_together() -> None:
+    """The outlier is in one rank's data: the agreed flush fraction promotes on both ranks."""
+    _torchao()
+    r0, r1 = run_ranks(_two_ranks, 2, timeout=240)
+    assert r0["changes"] == r1["changes"] == [(2, "wide", "fp8", "bf16")]
+    assert r0["flush"] == r1["flush"] and r0["flush"]["wide"] > 0.9  # type: ignore[index]
+    assert r0["params"] == r1["params"]
