@@ -9,14 +9,22 @@ Per watched module (by default every module that holds parameters of its own) it
   (fp16 65504, bf16 3.4e38, float8 e4m3 448); 1.0 or more means it overflowed;
 - **underflow**: per parameter, the fraction of its scaled low-precision gradient elements that
   are zero or subnormal in the compute format (``|g| < finfo(compute_dtype).tiny``), measured
-  before unscaling.
+  before unscaling;
+- **fp8 flush** (torchao float8 layers only): the fraction of the layer's nonzero input elements
+  that torchao's dynamic tensorwise scaling (``448 / amax``) sends to zero in e4m3, i.e. with
+  ``|x| * 448 / amax <= 2**-10`` (half e4m3's smallest subnormal, which rounds to zero). Dynamic
+  scaling always fits the largest value, so an fp8 layer never overflows in its forward GEMM;
+  what breaks it is an input whose dynamic range exceeds e4m3's (about 2**17 from 448 down to
+  2**-9): one outlier feature compresses every other value to zero. Headroom against 448 says
+  nothing there (the scaled amax is 448 by construction), the flush fraction says exactly how
+  much of the input the GEMM lost. Measured on reporting steps only: one pass over the input.
 
 Cost model. Each watched module's forward costs one ``amax`` reduction of its output and one
 tiny in-place maximum, every step (the skip attribution must exist for any step, and which
 step skips is only known after the fact). The statistics never get a collective of their own:
 they ride in the step's one flag collective (:meth:`payload`, through the scaler's
-``attach_rider``): one float per watched module every step, plus the headroom and underflow
-vectors at reporting steps (every ``interval`` steps). One host read per reporting step.
+``attach_rider``): one float per watched module every step, plus the headroom, underflow and
+fp8 flush vectors at reporting steps (every ``interval`` steps). One host read per reporting step.
 Agreed numbers: non-finite flags are exact; headroom and underflow are the ranks' maximum, or
 their mean when a clipping norm shares the collective (it is SUM-reduced then).
 """
@@ -31,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FORMAT_MAX", "NumericMonitor", "NumericStats"]
+__all__ = ["E4M3_FLUSH", "FORMAT_MAX", "NumericMonitor", "NumericStats"]
 
 FORMAT_MAX: dict[str, float] = {
     "fp16": 65504.0,
@@ -40,6 +48,9 @@ FORMAT_MAX: dict[str, float] = {
     "fp8_e5m2": 57344.0,
 }
 """Largest finite value of each compute format: the denominator of headroom."""
+
+E4M3_FLUSH = 2.0**-10
+"""Half of e4m3's smallest subnormal (2**-9): scaled values at or below it round to zero."""
 
 
 @dataclass(frozen=True)
@@ -55,12 +66,16 @@ class NumericStats:
         skips: ``(step, module)`` for each skipped step since the previous report; ``module``
             is the first watched module whose forward output went non-finite on any rank, or
             ``None`` when the forward was finite (a gradient-only overflow).
+        fp8_flush: float8 layer name -> the largest fraction, at this reporting step, of its
+            nonzero input elements that e4m3 under dynamic tensorwise scaling rounds to zero
+            (measured whether the layer runs in fp8 or was promoted to bf16).
     """
 
     step: int
     headroom: dict[str, float] = field(default_factory=dict)
     underflow: dict[str, float] = field(default_factory=dict)
     skips: tuple[tuple[int, str | None], ...] = ()
+    fp8_flush: dict[str, float] = field(default_factory=dict)
 
     @property
     def first_nonfinite(self) -> str | None:
@@ -72,6 +87,7 @@ class NumericStats:
         out: dict[str, float] = {"numerics/skips": float(len(self.skips))}
         out.update({f"numerics/headroom/{k}": v for k, v in self.headroom.items()})
         out.update({f"numerics/underflow/{k}": v for k, v in self.underflow.items()})
+        out.update({f"numerics/fp8_flush/{k}": v for k, v in self.fp8_flush.items()})
         return out
 
 
@@ -140,7 +156,11 @@ class NumericMonitor:
             )
         ]
         self.names = [name for name, _ in self.modules]
-        self._fmax = torch.tensor([FORMAT_MAX[_format_of(m, compute)] for _, m in self.modules])
+        formats = [_format_of(m, compute) for _, m in self.modules]
+        self._fmax = torch.tensor([FORMAT_MAX[f] for f in formats])
+        self._fp8 = [i for i, f in enumerate(formats) if f == "fp8_e4m3"]  # flush measured
+        self._fp8_slot = {i: k for k, i in enumerate(self._fp8)}
+        self._flush: torch.Tensor | None = None  # [F] at a reporting step
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._step_amax: torch.Tensor | None = None  # [M] this step's max |output|
         self._window_amax: torch.Tensor | None = None  # [M] since the last report
@@ -157,8 +177,29 @@ class NumericMonitor:
         ]
 
     # ------------------------------------------------------------------ forward
+    def _flush_of(self, slot: int, args: Any) -> None:
+        """At a reporting step: the fraction of a float8 layer's nonzero input that e4m3 flushes
+        to zero under torchao's tensorwise scale ``448 / amax`` (max over micro-batches)."""
+        x = next(_floats(args), None)
+        if x is None:
+            return
+        a = x.detach().abs().float()
+        amax = a.amax()
+        nonzero = (a > 0).sum(dtype=torch.float32)
+        lost = ((a > 0) & (a * (FORMAT_MAX["fp8_e4m3"] / amax) <= E4M3_FLUSH)).sum(
+            dtype=torch.float32
+        )
+        fraction = torch.nan_to_num(lost / nonzero.clamp(min=1.0))
+        if self._flush is None:
+            self._flush = torch.zeros(len(self._fp8), device=fraction.device)
+        self._flush[slot] = torch.maximum(self._flush[slot], fraction)
+
     def _hook(self, index: int) -> Any:
-        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+        slot = self._fp8_slot.get(index)
+
+        def hook(_module: nn.Module, args: Any, output: Any) -> None:
+            if slot is not None and self.due:
+                self._flush_of(slot, args)
             for t in _floats(output):
                 amax = t.detach().abs().amax().float()
                 if self._step_amax is None:
@@ -216,7 +257,8 @@ class NumericMonitor:
         under = self._underflow
         if under is None:
             under = torch.zeros(len(self.params), device=bad.device)
-        return torch.cat([bad, amax, under.to(bad.device)])
+        flush = self._flush if self._flush is not None else torch.zeros(len(self._fp8))
+        return torch.cat([bad, amax, under.to(bad.device), flush.to(bad.device)])
 
     def deliver(self, reduced: torch.Tensor, op: str, ranks: int) -> None:
         """The scaler's rider protocol: the payload, reduced over the agreeing ranks."""
@@ -268,13 +310,17 @@ class NumericMonitor:
         )
         headroom: dict[str, float] = {}
         underflow: dict[str, float] = {}
+        flush: dict[str, float] = {}
         if self._agreed_stats is not None:
             values = self._agreed_stats.tolist()  # host sync, reporting steps only
             fmax = self._fmax.tolist()
             headroom = {n: values[i] / fmax[i] for i, n in enumerate(self.names)}
             underflow = {n: values[m + j] for j, (n, _) in enumerate(self.params)}
-        self.latest = NumericStats(self.step, headroom, underflow, skips)
+            base = m + len(self.params)
+            flush = {self.names[i]: values[base + k] for k, i in enumerate(self._fp8)}
+        self.latest = NumericStats(self.step, headroom, underflow, skips, flush)
         self._firsts, self._agreed_stats, self._underflow = [], None, None
+        self._flush = None
         if self._window_amax is not None:
             self._window_amax.zero_()
         return self.latest

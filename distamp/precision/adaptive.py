@@ -7,6 +7,13 @@ statistics of :class:`distamp.observe.numerics.NumericMonitor`:
   first to go non-finite), or whose headroom (max ``|output|`` / format max) stays above
   ``headroom_limit`` for ``patience`` reports in a row, is **promoted**: fp16/bf16 -> fp32
   (autocast off inside it, inputs cast to fp32);
+- with ``precision="fp8"``, a torchao float8 layer is promoted **fp8 -> bf16** (it then computes
+  as a plain bf16 linear on its fp32 weight: a per-instance forward, the layer is not re-wrapped)
+  when it is blamed for skips as above, or when more than ``fp8_flush_limit`` of its nonzero
+  input elements flush to zero in e4m3 (the monitor's ``fp8_flush``) for ``patience`` reports in
+  a row; the model's other modules run bf16 and are promoted bf16 -> fp32 as under "bf16".
+  A float8 layer promoted to bf16 is never demoted, and models whose float8 weights FSDP2
+  all-gathers in float8 are refused (their weights are float8 tensors: no bf16 linear to run);
 - optionally (``demote=True``) a promoted module whose headroom stays under ``demote_below`` for
   ``calm_reports`` reports with no skip blamed on it goes back; a module promoted a second time
   stays promoted for good (hysteresis: it cannot oscillate);
@@ -35,10 +42,12 @@ from torch.utils.hooks import RemovableHandle
 
 from distamp.observe.numerics import NumericStats
 from distamp.precision.casts import to_fp32
+from distamp.precision.fp8_parallel import gathers_in_float8, is_float8_linear
 
 __all__ = ["AdaptivePrecision", "AdaptiveRules", "PrecisionChange"]
 
-_ADAPTABLE = ("fp16", "bf16")
+_ADAPTABLE = ("fp16", "bf16", "fp8")
+_WIDER = {"fp8": "bf16", "fp16": "fp32", "bf16": "fp32"}
 
 
 def _whole(name: str, value: Any, least: int) -> None:
@@ -64,6 +73,9 @@ class AdaptiveRules:
         max_promoted_fraction: the most of the model's parameters that may be promoted, in
             (0, 1] (default 0.25).
         watch: module name patterns to watch; ``None``: every module with parameters.
+        fp8_flush_limit: precision "fp8" only: promote a float8 layer to bf16 when more than
+            this fraction of its nonzero inputs flush to zero in e4m3, ``patience`` reports in
+            a row; in (0, 1] (default 0.1; a well-scaled layer flushes about 1e-5).
     """
 
     interval: int = 10
@@ -76,6 +88,7 @@ class AdaptiveRules:
     calm_reports: int = 10
     max_promoted_fraction: float = 0.25
     watch: tuple[str, ...] | None = None
+    fp8_flush_limit: float = 0.1
 
     def __post_init__(self) -> None:
         _whole("interval", self.interval, 1)
@@ -101,6 +114,10 @@ class AdaptiveRules:
             raise ValueError(
                 f"AdaptiveRules.demote_below={self.demote_below!r}: must be >= 0 and below "
                 f"headroom_limit={self.headroom_limit!r}, or a module could oscillate"
+            )
+        if not 0.0 < float(self.fp8_flush_limit) <= 1.0:
+            raise ValueError(
+                f"AdaptiveRules.fp8_flush_limit={self.fp8_flush_limit!r}: give a fraction in (0, 1]"
             )
         if isinstance(self.watch, str):
             raise ValueError(f"AdaptiveRules.watch={self.watch!r}: give a tuple of patterns")
@@ -168,31 +185,56 @@ def _island(module: nn.Module) -> list[RemovableHandle]:
     ]
 
 
+class _Bf16Linear:
+    """The fp8 -> bf16 promotion of one torchao float8 layer: an instance ``forward`` that runs
+    ``F.linear`` in bf16 on the layer's own (fp32) weight and bias, so the same parameters, hooks
+    and optimizer state carry on; :meth:`remove` hands the class's float8 forward back."""
+
+    def __init__(self, module: nn.Linear) -> None:
+        self.module = module
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            bias = module.bias
+            return torch.nn.functional.linear(
+                x.to(torch.bfloat16),
+                module.weight.to(torch.bfloat16),
+                None if bias is None else bias.to(torch.bfloat16),
+            )
+
+        setattr(module, "forward", forward)  # noqa: B010 (an instance attribute, on purpose)
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
 class AdaptivePrecision:
     """The adaptive half of an :class:`~distamp.AutocastPolicy`: rules, decisions and the log.
 
     Args:
         rules: the settings.
-        precision: the policy's precision name; only "fp16" and "bf16" adapt.
+        precision: the policy's precision name: "fp16", "bf16" or "fp8".
 
     Raises:
-        ValueError: another precision (fp32 has nothing to promote; fp8 is not adapted yet).
+        ValueError: another precision (fp32 has nothing to promote).
     """
 
     def __init__(self, rules: AdaptiveRules, precision: str) -> None:
         if precision not in _ADAPTABLE:
             raise ValueError(
                 f"adaptive=True with precision={precision!r}: adaptive precision promotes "
-                "fp16/bf16 modules to fp32; use precision 'fp16' or 'bf16', or adaptive=False"
+                "fp16/bf16 modules to fp32 and fp8 layers to bf16; use precision 'fp16', 'bf16' "
+                "or 'fp8', or adaptive=False"
             )
-        self.rules, self.low = rules, precision
+        self.rules, self.precision = rules, precision
+        self.low = "bf16" if precision == "fp8" else precision  # of the non-float8 modules
+        self._fp8: set[str] = set()  # float8 layers (precision "fp8"): promoted to bf16
         self.changes: list[PrecisionChange] = []
         self._history: deque[str | None] = deque(maxlen=rules.window)
         self._hot: dict[str, int] = {}  # module -> reports in a row above the headroom limit
         self._calm: dict[str, int] = {}  # promoted module -> calm reports in a row
         self._pinned: set[str] = set()  # promoted twice: never demoted again
         self._refused: set[str] = set()  # over the cap: warned once
-        self._handles: dict[str, list[RemovableHandle]] = {}
+        self._handles: dict[str, list[RemovableHandle | _Bf16Linear]] = {}
         self._modules: dict[str, nn.Module] = {}
         self._numel: dict[str, int] = {}
         self._total = 1
@@ -213,13 +255,28 @@ class AdaptivePrecision:
 
     @property
     def promoted(self) -> tuple[str, ...]:
-        """The modules running in fp32 now because of a decision, in promotion order."""
+        """The modules running wider now because of a decision (fp32; bf16 for float8
+        layers), in promotion order."""
         return tuple(self._handles)
 
     def bind(self, model: nn.Module, fixed: tuple[str, ...] = ()) -> None:
         """Know ``model``'s modules (names as in ``named_modules``); ``fixed`` are the policy's
-        own fp32 modules, never changed."""
+        own fp32 modules, never changed.
+
+        Raises:
+            ValueError: precision "fp8" and a float8 layer whose weight FSDP2 all-gathers in
+                float8 (no bf16 weight to fall back on).
+        """
         self._modules = dict(model.named_modules())
+        if self.precision == "fp8":
+            self._fp8 = {n for n, m in self._modules.items() if is_float8_linear(m)}
+            gathered = [n for n in sorted(self._fp8) if gathers_in_float8(self._modules[n])]
+            if gathered:
+                raise ValueError(
+                    f"adaptive=True with precision='fp8': {gathered[0]!r} has its weight "
+                    "all-gathered in float8 by FSDP2, so it cannot fall back to bf16; pass "
+                    "AutocastPolicy('fp8', fp8_all_gather=False, adaptive=...) or adaptive=False"
+                )
         self._numel = {n: sum(p.numel() for p in m.parameters()) for n, m in self._modules.items()}
         self._total = max(1, sum(p.numel() for p in model.parameters()))
         self._fixed = set(fixed)
@@ -242,7 +299,22 @@ class AdaptivePrecision:
                     self._history = deque(
                         (m for m in self._history if m != module), maxlen=self.rules.window
                     )
+        for module, flush in stats.fp8_flush.items():
+            if module not in self._fp8 or module in self._handles:
+                continue
+            hot = flush > self.rules.fp8_flush_limit
+            streak = self._hot.get(module, 0) + 1 if hot else 0
+            self._hot[module] = streak
+            if streak >= self.rules.patience:
+                reason = (
+                    f"{flush:.3g} of its input flushes to zero in e4m3 "
+                    f"(> {self.rules.fp8_flush_limit}) for {streak} reports"
+                )
+                if self._promote(stats.step, module, reason, made):
+                    self._hot[module] = 0
         for module, headroom in stats.headroom.items():
+            if module in self._fp8:
+                continue  # dynamic scaling fits any finite amax: the flush rule above decides
             if module in self._handles:
                 self._calm_check(stats.step, module, headroom, module in blamed_now, made)
                 continue
@@ -261,7 +333,7 @@ class AdaptivePrecision:
     def _calm_check(
         self, step: int, module: str, headroom: float, blamed: bool, made: list[PrecisionChange]
     ) -> None:
-        if not self.rules.demote or module in self._pinned:
+        if not self.rules.demote or module in self._pinned or module in self._fp8:
             return
         calm = self._calm.get(module, 0) + 1 if headroom < self.rules.demote_below else 0
         self._calm[module] = 0 if blamed else calm
@@ -285,14 +357,22 @@ class AdaptivePrecision:
                     stacklevel=3,
                 )
             return False
-        if any(c.module == module and c.after == self.low for c in self.changes):
+        low = self._low_of(module)
+        if any(c.module == module and c.after == low for c in self.changes):
             self._pinned.add(module)  # promoted again after a demotion: stays
-        self._change(PrecisionChange(step, module, self.low, "fp32", reason), made)
+        self._change(PrecisionChange(step, module, low, _WIDER[low], reason), made)
         return True
 
+    def _low_of(self, module: str) -> str:
+        return "fp8" if module in self._fp8 else self.low
+
     def _change(self, change: PrecisionChange, made: list[PrecisionChange]) -> None:
-        if change.after == "fp32":
-            self._handles[change.module] = _island(self._modules[change.module])
+        module = self._modules[change.module]
+        if change.before == "fp8":
+            assert isinstance(module, nn.Linear)  # a torchao Float8Linear
+            self._handles[change.module] = [_Bf16Linear(module)]
+        elif change.after == "fp32":
+            self._handles[change.module] = list(_island(module))
             self._calm[change.module] = 0
         else:
             for h in self._handles.pop(change.module, []):
