@@ -361,3 +361,45 @@ def test_check_only_scales_nothing_and_still_skips(kind: str) -> None:
         unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
         assert unchanged == (step == 1) and s.get_scale() == 1.0
     assert s.skipped_steps == 1 and s.check_only
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"max_scale": 2.0**17}, {"hysteresis": 2}])
+def test_cpu_host_bookkeeping_matches_the_device_bookkeeping(kwargs: dict) -> None:
+    """A CPU scaler keeps its skip counters on the host (it reads the decision anyway); a
+    sync-free one keeps them on device. Same steps, same answers: scale, skips, streak, last
+    skip, and the overflow report's step and parameter."""
+    scalers = {
+        sync_free: DistributedGradScaler("cpu", init_scale=2.0**16, growth_interval=2, **kwargs)
+        if not sync_free
+        else DistributedGradScaler(
+            "cpu", init_scale=2.0**16, growth_interval=2, sync_free=True, **kwargs
+        )
+        for sync_free in (False, True)
+    }
+    seen: dict[bool, list[tuple]] = {False: [], True: []}
+    for sync_free, scaler in scalers.items():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(9):
+            opt.zero_grad()
+            loss = model(torch.randn(3, 4)).sum()
+            if step in (2, 3, 4, 7):
+                loss = loss * math.inf
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            report = scaler.overflow_report()
+            seen[sync_free].append(
+                (
+                    scaler.get_scale(),
+                    scaler.skipped_steps,
+                    scaler.skip_streak,
+                    bool(scaler.last_step_skipped),
+                    None if report is None else (report.step, report.entries),
+                )
+            )
+    assert seen[False] == seen[True]
+    assert [s[1] for s in seen[False]] == [0, 0, 1, 2, 3, 3, 3, 4, 4]
+    assert [s[2] for s in seen[False]] == [0, 0, 1, 2, 3, 0, 0, 1, 0]
+    assert scalers[False].state_dict() == scalers[True].state_dict()

@@ -116,6 +116,8 @@ class OverflowRecorder:
         self._iteration: torch.Tensor | None = None
         self._last_skip: torch.Tensor | None = None
         self._lazy: list[tuple[torch.Tensor, ...]] = []
+        self._host_iteration: int | None = None  # on the host: the two counters as ints
+        self._last_skip_host = -1
 
     def new_flags(
         self, params: Sequence[torch.Tensor], device: torch.device
@@ -136,9 +138,9 @@ class OverflowRecorder:
         self._current.append((tuple(params), flags))
         return flags
 
-    def _materialise_lazy(self, found: torch.Tensor) -> None:
+    def _materialise_lazy(self, skipped: bool) -> None:
         lazy, self._lazy = self._lazy, []
-        if not lazy or not bool(found.item()):  # a CPU tensor: no device to wait for
+        if not lazy or not skipped:
             return
         for params in lazy:
             hits = [p.grad is not None and not _all_finite(p.grad) for p in params]
@@ -149,14 +151,21 @@ class OverflowRecorder:
         self._current = []
         self._lazy = []
 
-    def commit(self, found: torch.Tensor) -> None:
-        """At ``update()``: keep this iteration's flags where the agreed ``found`` is set."""
+    def commit(self, found: torch.Tensor, found_on_host: bool | None = None) -> None:
+        """At ``update()``: keep this iteration's flags where the agreed ``found`` is set.
+
+        ``found_on_host``: the same decision, already read on the host (a CPU scaler): the
+        iteration counters are then plain ints and a clean step costs no op at all.
+        """
+        if found_on_host is not None:
+            self._commit_on_host(found_on_host)
+            return
         if self._iteration is None:
             self._iteration = torch.zeros((), dtype=torch.int64, device=found.device)
             self._last_skip = torch.full((), -1, dtype=torch.int64, device=found.device)
         assert self._last_skip is not None
         if self._lazy:
-            self._materialise_lazy(found)
+            self._materialise_lazy(bool(found.item()))  # lazy only on the CPU: no device sync
         torch.where(found, self._iteration, self._last_skip, out=self._last_skip)
         fresh = set()
         for params, flags in self._current:
@@ -171,9 +180,28 @@ class OverflowRecorder:
         self._iteration += 1
         self._current = []
 
+    def _commit_on_host(self, skipped: bool) -> None:
+        if self._host_iteration is None:
+            self._host_iteration, self._last_skip_host = 0, -1
+        self._materialise_lazy(skipped)
+        if skipped:
+            self._last_skip_host = self._host_iteration
+            fresh = set()
+            for params, flags in self._current:
+                key = tuple(map(id, params))
+                fresh.add(key)
+                self._kept[key] = (params, flags)
+            for key, (_, flags) in self._kept.items():  # a skip without them: clear theirs
+                if key not in fresh:
+                    flags.zero_()
+        self._host_iteration += 1
+        self._current = []
+
     @property
     def iterations(self) -> int:
-        """How many ``update()`` calls were committed (host sync)."""
+        """How many ``update()`` calls were committed (host sync on a device)."""
+        if self._host_iteration is not None:
+            return self._host_iteration
         return 0 if self._iteration is None else int(self._iteration.item())
 
     def params(self) -> list[torch.Tensor]:
@@ -186,9 +214,12 @@ class OverflowRecorder:
 
     def flagged(self) -> tuple[int, list[torch.Tensor]]:
         """Host side (syncs): the iteration of the last skip (-1: none) and its flagged params."""
-        if self._last_skip is None:
+        if self._host_iteration is not None:
+            step = self._last_skip_host
+        elif self._last_skip is None:
             return -1, []
-        step = int(self._last_skip.item())
+        else:
+            step = int(self._last_skip.item())
         out: list[torch.Tensor] = []
         for params, flags in self._kept.values():
             hits = flags.cpu().tolist()

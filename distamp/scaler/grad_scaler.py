@@ -37,7 +37,7 @@ from distamp.scaler.records import (
 )
 from distamp.scaler.reporting import ScalerReporting
 from distamp.scaler.scale_state import ScaleState, ScaleUnderflowError
-from distamp.scaler.scale_update import ScaleRule, update_scale_
+from distamp.scaler.scale_update import RuleCache, ScaleRule, update_scale_
 from distamp.scaler.sync_free import fused_step, grad_scaler_step, masked_step, takes_grad_scaler
 
 __all__ = ["DistributedGradScaler", "OptimizerStep", "ScaleUnderflowError", "ScalerStateError"]
@@ -135,6 +135,7 @@ class DistributedGradScaler(ScalerReporting):
         self._max_scale = None if max_scale is None else float(max_scale)
         self._sync_free = sync_free
         self._counters = ScaleState(self._hysteresis)
+        self._rules = RuleCache()
         manager = self._steps.topology.ft_manager  # torchft hook: commit vote, state that heals
         self._replicas = (
             None if manager is None else ReplicaCommit(manager, self, self._steps.current_records)
@@ -162,7 +163,7 @@ class DistributedGradScaler(ScalerReporting):
     # ------------------------------------------------------------------ lazily created state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
-        self._counters.create(dev)
+        self._counters.create(dev, on_host=dev.type == "cpu" and not self._sync_free)
         self._steps.home = dev  # flags are agreed where the scale lives
 
     def _home_device(self) -> torch.device:
@@ -451,18 +452,20 @@ class DistributedGradScaler(ScalerReporting):
                 "update() found no inf checks for this iteration: call scaler.step(optimizer) "
                 "(or unscale_) for at least one optimizer before update()."
             )
-        found = found_inf > 0
         counters = self._counters
-        assert counters.hysteresis is not None and counters.underflow is not None
+        assert counters.hysteresis is not None
+        # A CPU scaler reads the agreed decision once (no device to wait for), which spares
+        # the bookkeeping its device ops; elsewhere, and when sync-free, all stays on device.
+        on_host = bool(found_inf.item()) if counters.on_host else None
         if not self._check_only:  # check-only: the scale stays 1
-            underflow = update_scale_(self._rule(), scale, tracker, counters.hysteresis, found_inf)
-            if underflow is not None:
-                counters.underflow |= underflow
-        counters.record(found)
+            args = (self._rule(), scale, tracker, counters.hysteresis, found_inf, on_host)
+            counters.flag_underflow(update_scale_(*args))
+        found = found_inf if on_host is not None else found_inf > 0
+        counters.record(found, on_host)
         if self._overflow is not None:
-            self._overflow.commit(found)
+            self._overflow.commit(found, on_host)
         if self._tracer is not None:
-            self._tracer.commit(found)
+            self._tracer.commit(found_inf > 0)
         self._steps.new_iteration()
         if self._min_scale is not None and not self._sync_free:
             self._counters.raise_if_underflow(self._min_scale)  # one host sync, opt-in
@@ -475,14 +478,10 @@ class DistributedGradScaler(ScalerReporting):
             self._overflow.discard()
 
     def _rule(self) -> ScaleRule:
-        return ScaleRule(
-            growth_factor=self._growth_factor,
-            backoff_factor=self._backoff_factor,
-            growth_interval=self._growth_interval,
-            hysteresis=self._hysteresis,
-            min_scale=self._min_scale,
-            max_scale=self._max_scale,
-        )
+        return self._rules.get(
+            self._growth_factor, self._backoff_factor, self._growth_interval,
+            self._hysteresis, self._min_scale, self._max_scale,
+        )  # fmt: skip
 
     def get_scale(self) -> float:
         """The current scale as a Python float (one host sync)."""

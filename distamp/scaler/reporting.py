@@ -73,8 +73,7 @@ class ScalerReporting(torch.amp.GradScaler):
     @property
     def skip_streak(self) -> int:
         """Consecutive skipped iterations up to the last ``update()`` (synced: read on request)."""
-        streak = self._counters.streak
-        return 0 if streak is None else int(streak.item())  # host sync, on request only
+        return self._counters.skip_streak()  # host sync on a device, on request only
 
     def attach_tracer(self, tracer: NonFiniteTracer | None) -> None:
         """Follow a :class:`~distamp.observe.diagnostics.NonFiniteTracer`: its forward record is

@@ -40,31 +40,63 @@ class ScaleState:
         self.streak: torch.Tensor | None = None
         self.last_skipped: torch.Tensor | None = None
         self.underflow: torch.Tensor | None = None
+        # On the host (``create(..., on_host=True)``): the skip counter and streak as ints.
+        self.on_host = False
+        self.skipped_count = 0
+        self.streak_count = 0
 
     @property
     def ready(self) -> bool:
-        return self.skipped is not None
+        return self.hysteresis is not None
 
-    def create(self, device: torch.device) -> None:
-        """Allocate the counters on ``device`` from the pending initial values."""
+    def create(self, device: torch.device, on_host: bool = False) -> None:
+        """Allocate the counters on ``device`` from the pending initial values. ``on_host``: the
+        caller reads each step's decision on the host anyway (a CPU scaler), so the skip counter
+        and streak are plain ints there instead of two tensors and three ops per step."""
         self.hysteresis = torch.full((), self.init_hysteresis, dtype=torch.int32, device=device)
-        self.skipped = torch.full((), self.init_skipped, dtype=torch.int64, device=device)
-        self.streak = torch.zeros((), dtype=torch.int64, device=device)
+        self.on_host = on_host
+        if on_host:
+            self.skipped_count, self.streak_count = self.init_skipped, 0
+        else:
+            self.skipped = torch.full((), self.init_skipped, dtype=torch.int64, device=device)
+            self.streak = torch.zeros((), dtype=torch.int64, device=device)
         self.last_skipped = torch.zeros((), dtype=torch.bool, device=device)
         self.underflow = torch.zeros((), dtype=torch.bool, device=device)
 
-    def record(self, found: torch.Tensor) -> None:
-        """Count one iteration whose agreed skip decision is ``found`` (0-dim bool). No sync."""
-        assert self.skipped is not None and self.streak is not None
-        self.skipped.add_(found)
-        torch.mul(self.streak + 1, found, out=self.streak)  # +1 on a skip, else 0
+    def record(self, found: torch.Tensor, found_on_host: bool | None = None) -> None:
+        """Count one iteration whose agreed skip decision is ``found`` (a tensor, nonzero on a
+        skip). No sync; ``found_on_host`` is the same decision already read on the host."""
+        if self.on_host:
+            assert found_on_host is not None
+            self.skipped_count += int(found_on_host)
+            self.streak_count = self.streak_count + 1 if found_on_host else 0
+        else:
+            assert self.skipped is not None and self.streak is not None
+            self.skipped.add_(found)
+            torch.mul(self.streak + 1, found, out=self.streak)  # +1 on a skip, else 0
         self.last_skipped = found
 
+    def flag_underflow(self, underflow: torch.Tensor | bool) -> None:
+        """Remember that a backoff arrived at the floor (raised by :meth:`raise_if_underflow`)."""
+        assert self.underflow is not None
+        if isinstance(underflow, torch.Tensor):
+            self.underflow |= underflow
+        elif underflow:
+            self.underflow.fill_(True)
+
     def skipped_steps(self) -> int:
-        """Skipped iterations so far (host sync when the counter exists)."""
+        """Skipped iterations so far (host sync when the counter is a device tensor)."""
+        if self.on_host:
+            return self.skipped_count
         if self.skipped is None:
             return self.init_skipped
         return int(self.skipped.item())  # host sync, on request only
+
+    def skip_streak(self) -> int:
+        """Consecutive skipped iterations up to the last update (host sync on a device)."""
+        if self.on_host:
+            return self.streak_count
+        return 0 if self.streak is None else int(self.streak.item())  # on request only
 
     def hysteresis_left(self) -> int:
         """The hysteresis tracker's value (host sync when it exists)."""
@@ -83,8 +115,11 @@ class ScaleState:
         """Set the saved counters, now if the tensors exist, else at their creation."""
         self.init_hysteresis = int(hysteresis_tracker)
         self.init_skipped = int(skipped_steps)
-        if self.hysteresis is not None and self.skipped is not None:
+        if self.hysteresis is not None:
             self.hysteresis.fill_(self.init_hysteresis)
+        if self.on_host:
+            self.skipped_count = self.init_skipped
+        elif self.skipped is not None:
             self.skipped.fill_(self.init_skipped)
 
     def raise_if_underflow(self, min_scale: float | None) -> None:

@@ -19,13 +19,14 @@ the fused kernels (:mod:`distamp.kernels`) only unscale and check, they never up
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from distamp.arguments import as_integer, as_real
 from distamp.scaler.config import SCALE_MIN
 
-__all__ = ["ScaleRule", "update_scale_"]
+__all__ = ["RuleCache", "ScaleRule", "update_scale_"]
 
 
 @dataclass(frozen=True)
@@ -60,20 +61,62 @@ class ScaleRule:
         return SCALE_MIN if self.min_scale is None else max(self.min_scale, SCALE_MIN)
 
 
+class RuleCache:
+    """The :class:`ScaleRule` of a scaler's current settings, rebuilt only when one changed
+    (torch's ``set_growth_factor`` and the like may change them between steps; building a rule
+    checks every value, which is not free at every ``update()``)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._rule: ScaleRule | None = None
+
+    def get(
+        self,
+        growth_factor: float,
+        backoff_factor: float,
+        growth_interval: int,
+        hysteresis: int,
+        min_scale: float | None,
+        max_scale: float | None,
+    ) -> ScaleRule:
+        key = (growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
+        if self._rule is None or key != self._key:
+            self._key, self._rule = key, ScaleRule(*key)
+        return self._rule
+
+
 def update_scale_(
     rule: ScaleRule,
     scale: torch.Tensor,
     growth_tracker: torch.Tensor,
     hysteresis_tracker: torch.Tensor,
     found_inf: torch.Tensor,
-) -> torch.Tensor:
+    found_on_host: bool | None = None,
+) -> torch.Tensor | bool:
     """Update the three trackers in place from ``found_inf`` (a float32 tensor, nonzero on an
     overflow, as torch's scalers keep it).
 
     Returns a 0-dim bool tensor, True when a backoff was due while the scale was already at its
-    floor (:attr:`ScaleRule.floor`); the caller decides whether and when to read it.
+    floor (:attr:`ScaleRule.floor`); the caller decides whether and when to read it. With
+    ``found_on_host`` (the same decision, already read on the host: a CPU scaler) the same rule
+    runs without the device ops that the known answer makes moot, and the result is a ``bool``.
     """
     floor = rule.floor
+    if rule.hysteresis == 1 and rule.min_scale is None and found_on_host is not None:
+        # A clean step can only grow the scale, and torch's kernel never grows it to inf: no
+        # floor check, and a clamp only under a ceiling.
+        at_floor = found_on_host and float(scale.item()) <= floor  # a CPU tensor: no sync
+        torch._amp_update_scale_(
+            scale,
+            growth_tracker,
+            found_inf,
+            rule.growth_factor,
+            rule.backoff_factor,
+            rule.growth_interval,
+        )
+        if found_on_host or rule.max_scale is not None:
+            scale.clamp_(min=floor, max=rule.max_scale)
+        return at_floor
     if rule.hysteresis == 1 and rule.min_scale is None:
         # torch's fused update is one kernel instead of a dozen small ops (0.04 vs 0.3 ms on CPU);
         # the extras are the floor (and its flag) and the ceiling.
