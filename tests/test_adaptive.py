@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -293,3 +294,46 @@ def test_headroom_rule_demotion_and_hysteresis() -> None:
     assert adaptive.promoted == ("hot",)
     inf = NumericStats(100, headroom={"mid": float("inf")})
     assert adaptive.decide(inf) == adaptive.decide(inf) == []  # the skip rule's business
+
+
+def test_torch_compile_recompiles_once_per_promotion() -> None:
+    """A compiled model: the promotion (an instance forward with autocast off) is traced whole,
+    with no graph break, costs one recompile, and trains as the eager model does."""
+    import torch._dynamo
+
+    def run(compiled: bool) -> tuple[list[tuple[int, str]], list[int], list[torch.Tensor]]:
+        torch._dynamo.reset()
+        graphs: list[int] = []
+
+        def backend(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+            graphs.append(len(gm.graph.nodes))
+            return gm.forward
+
+        amp, net, policy = make("fp16", True)
+        model = torch.compile(amp.model, backend=backend) if compiled else amp.model
+        per_step = []
+        for k in range(12):
+            x, y = batch(k)
+            with amp.autocast():
+                loss = F.mse_loss(model(x).float(), y)
+            amp.backward_and_step(loss)
+            per_step.append(len(graphs))
+        assert policy is not None and policy.adaptive is not None
+        changes = [(c.step, c.module) for c in policy.adaptive.changes]
+        params = [p.detach().clone() for p in net.parameters()]
+        amp.close()
+        return changes, per_step, params
+
+    torch._dynamo.utils.counters.clear()
+    changes, graphs, params = run(compiled=True)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(
+        torch._dynamo.utils.counters["graph_break"]
+    )
+    eager_changes, _, eager_params = run(compiled=False)
+    assert changes == eager_changes == [(2, "hot")]
+    # change.step 2 = after two updates: the promoted module first runs in the third forward;
+    # the one recompile before it is the monitor's first report (its hooks' state)
+    assert graphs[2] - graphs[1] == 1, graphs
+    assert graphs[2:] == [graphs[2]] * (len(graphs) - 2), graphs  # nothing recompiles after
+    for p, q in zip(params, eager_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -31,14 +31,12 @@ import math
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.hooks import RemovableHandle
 
 from distamp.observe.numerics import NumericStats
 from distamp.precision.casts import to_fp32
@@ -160,29 +158,37 @@ class _Upcast(TorchFunctionMode):
         return func(*to_fp32(args), **to_fp32(kwargs or {}))
 
 
-def _island(module: nn.Module) -> list[RemovableHandle]:
-    """Hooks that run ``module`` with autocast off and every low-precision operand cast to fp32:
-    the promotion. A stack per module keeps re-entrant calls right; the post hook always runs."""
-    stack: list[ExitStack] = []
+class _Island:
+    """The promotion of one module: an instance ``forward`` that runs the class's with autocast
+    off and every low-precision operand cast to fp32. A ``with`` block inside one call (not a
+    pre/post hook pair holding a context open between them) is what ``torch.compile`` can trace;
+    the module's own hooks (FSDP2's unshard among them) still run around it. :meth:`remove`
+    hands the class's forward back."""
 
-    def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        ctx = ExitStack()
-        kinds = list(_autocast_on(("cpu", "cuda")))
-        for kind in kinds:
-            ctx.enter_context(torch.autocast(kind, enabled=False))
-        if kinds:
-            ctx.enter_context(_Upcast())
-        stack.append(ctx)
-        return (to_fp32(args), to_fp32(kwargs)) if kinds else None
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        inner = type(module).forward
 
-    def post(_m: nn.Module, _args: Any, _out: Any) -> None:
-        if stack:
-            stack.pop().close()
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            kinds = list(_autocast_on(("cpu", "cuda")))
+            if not kinds:
+                return inner(module, *args, **kwargs)
+            args, kwargs = to_fp32(args), to_fp32(kwargs)
+            # Plain nested ``with`` blocks (no ExitStack): what torch.compile traces whole.
+            if len(kinds) == 2:
+                with (
+                    torch.autocast("cpu", enabled=False),
+                    torch.autocast("cuda", enabled=False),
+                    _Upcast(),
+                ):
+                    return inner(module, *args, **kwargs)
+            with torch.autocast(kinds[0], enabled=False), _Upcast():
+                return inner(module, *args, **kwargs)
 
-    return [
-        module.register_forward_pre_hook(pre, with_kwargs=True),
-        module.register_forward_hook(post, always_call=True),
-    ]
+        setattr(module, "forward", forward)  # noqa: B010 (an instance attribute, on purpose)
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
 
 
 class _Bf16Linear:
@@ -234,7 +240,7 @@ class AdaptivePrecision:
         self._calm: dict[str, int] = {}  # promoted module -> calm reports in a row
         self._pinned: set[str] = set()  # promoted twice: never demoted again
         self._refused: set[str] = set()  # over the cap: warned once
-        self._handles: dict[str, list[RemovableHandle | _Bf16Linear]] = {}
+        self._handles: dict[str, list[_Island | _Bf16Linear]] = {}
         self._modules: dict[str, nn.Module] = {}
         self._numel: dict[str, int] = {}
         self._total = 1
@@ -372,7 +378,7 @@ class AdaptivePrecision:
             assert isinstance(module, nn.Linear)  # a torchao Float8Linear
             self._handles[change.module] = [_Bf16Linear(module)]
         elif change.after == "fp32":
-            self._handles[change.module] = list(_island(module))
+            self._handles[change.module] = [_Island(module)]
             self._calm[change.module] = 0
         else:
             for h in self._handles.pop(change.module, []):
