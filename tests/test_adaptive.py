@@ -337,3 +337,52 @@ def test_torch_compile_recompiles_once_per_promotion() -> None:
     assert graphs[2:] == [graphs[2]] * (len(graphs) - 2), graphs  # nothing recompiles after
     for p, q in zip(params, eager_params, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _tensor_parallel(rank: int, world: int) -> dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    net = Net()
+    parallelize_module(net, mesh, {"mid": ColwiseParallel(), "out": RowwiseParallel()})
+    policy = AutocastPolicy("fp16", adaptive=RULES)
+    amp = distamp.DistAMP("fp16", mesh=mesh, policy=policy)
+    amp.setup(net, lambda p: torch.optim.AdamW(p, lr=3e-2))
+    train(amp, 0, 12)  # tensor parallel: both ranks see the same batches
+    assert policy.adaptive is not None
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in net.parameters()]
+    out = {
+        "changes": [(c.step, c.module) for c in policy.adaptive.changes],
+        "skipped": amp.scaler.skipped_steps,
+        "params": [p.detach().flatten().tolist() for p in params],
+    }
+    amp.close()
+    return out
+
+
+def test_tensor_parallel_promotes_on_every_rank_as_one_process_does() -> None:
+    """mid/out tensor-parallel (DTensor) beside the plain module that overflows: the decision
+    is the same on both ranks and the same as one process training the whole model."""
+    r0, r1 = run_ranks(_tensor_parallel, 2, timeout=240)
+    torch.manual_seed(0)
+    net = Net()
+    policy = AutocastPolicy("fp16", adaptive=RULES)
+    amp = distamp.DistAMP("fp16", strategy="none", policy=policy)
+    amp.setup(net, lambda p: torch.optim.AdamW(p, lr=3e-2))
+    train(amp, 0, 12)
+    assert policy.adaptive is not None
+    single = [(c.step, c.module) for c in policy.adaptive.changes]
+    assert r0["changes"] == r1["changes"] == single == [(2, "hot")]
+    assert r0["skipped"] == r1["skipped"] == amp.scaler.skipped_steps == 2
+    assert r0["params"] == r1["params"]  # gathered: the same whole model on both ranks
+    # fp16 matmuls of shards round differently from the whole one: close, not bitwise
+    for got, want in zip(r0["params"], net.parameters(), strict=True):  # type: ignore[call-overload]
+        diff = (torch.tensor(got) - want.detach().flatten()).abs().max().item()
+        assert diff < 1e-3, diff
+    amp.close()
