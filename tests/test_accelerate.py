@@ -2,8 +2,9 @@
 
 What is checked: fp16 on CPU really runs in fp16 (forward hook), an inf injected into one rank's
 gradient is skipped on both ranks and reported by ``step_was_skipped`` (plain and fused AdamW,
-with gradient accumulation and clipping), the replicas stay identical, and ``save_state`` /
-``load_state`` round-trip the scaler.
+with gradient accumulation and clipping), the replicas stay identical, ``save_state`` /
+``load_state`` round-trip the scaler, and a resume from a checkpoint taken before the skipped
+step ends bitwise where the uninterrupted run ended.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 from tests._dist import run_ranks, run_torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, ACCUM, BAD_STEP = 4, 2, 2
+STEPS, ACCUM, BAD_STEP, SAVE_AT = 4, 2, 2, 1
 
 
 def _train(rank: int, world: int, ckpt: str, fused: bool) -> dict[str, Any]:
@@ -42,30 +43,43 @@ def _train(rank: int, world: int, ckpt: str, fused: bool) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
     model, opt, sched = acc.prepare(model, opt, sched)
-    gen = torch.Generator().manual_seed(1 + rank)
     skipped, lrs, scales, norms = [], [], [], []
-    before_bad: list[torch.Tensor] = []
-    for step in range(STEPS):
-        for _ in range(ACCUM):
-            with acc.accumulate(model):
-                loss = model(torch.randn(4, 8, generator=gen)).float().pow(2).mean()
-                acc.backward(loss)
-                if acc.sync_gradients:
-                    if step == BAD_STEP:
-                        before_bad = [p.detach().clone() for p in model.parameters()]
-                        if rank == 1:  # a rank-local overflow (as a shard or hook would see)
-                            next(iter(model.parameters())).grad.view(-1)[0] = float("inf")
-                    norms.append(float(acc.clip_grad_norm_(model.parameters(), 1.0)))
-                opt.step()
-                sched.step()
-                opt.zero_grad()
-        skipped.append(opt.step_was_skipped)
-        lrs.append(sched.get_last_lr()[0])
-        scales.append(acc.scaler.get_scale())
-        if step == BAD_STEP:
-            unchanged = all(
-                torch.equal(a, b) for a, b in zip(before_bad, model.parameters(), strict=True)
-            )
+    unchanged = False
+
+    def run(first: int, record: bool) -> list[bool]:
+        nonlocal unchanged
+        was_skipped = []
+        for step in range(first, STEPS):
+            if record and step == SAVE_AT:
+                acc.save_state(ckpt + "-mid")  # resumed from below
+            before_bad: list[torch.Tensor] = []
+            for micro in range(ACCUM):
+                gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+                with acc.accumulate(model):
+                    loss = model(torch.randn(4, 8, generator=gen)).float().pow(2).mean()
+                    acc.backward(loss)
+                    if acc.sync_gradients:
+                        if step == BAD_STEP:
+                            before_bad = [p.detach().clone() for p in model.parameters()]
+                            if rank == 1:  # a rank-local overflow (as a shard or hook would see)
+                                next(iter(model.parameters())).grad.view(-1)[0] = float("inf")
+                        norm = float(acc.clip_grad_norm_(model.parameters(), 1.0))
+                        if record:
+                            norms.append(norm)
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+            was_skipped.append(opt.step_was_skipped)
+            if record:
+                lrs.append(sched.get_last_lr()[0])
+                scales.append(acc.scaler.get_scale())
+            if record and step == BAD_STEP:
+                unchanged = all(
+                    torch.equal(a, b) for a, b in zip(before_bad, model.parameters(), strict=True)
+                )
+        return was_skipped
+
+    skipped = run(0, record=True)
     metrics = acc.amp_metrics_dict()
     # plain lists: tensors would travel through shared memory the exited worker owned
     params = [p.detach().flatten().tolist() for p in model.parameters()]
@@ -75,6 +89,11 @@ def _train(rank: int, world: int, ckpt: str, fused: bool) -> dict[str, Any]:
     acc.scaler.update(new_scale=3.0)  # clobber, then load
     acc.load_state(ckpt)
     loaded = acc.scaler.state_dict()
+    acc.wait_for_everyone()
+    # resume from the checkpoint taken before step SAVE_AT: the same skips, bitwise the same end
+    acc.load_state(ckpt + "-mid")
+    resumed_skipped = run(SAVE_AT, record=False)
+    resumed = [p.detach().flatten().tolist() for p in model.parameters()]
     acc.wait_for_everyone()
     return {
         "dtypes": sorted({str(d) for d in dtypes}),
@@ -88,6 +107,8 @@ def _train(rank: int, world: int, ckpt: str, fused: bool) -> dict[str, Any]:
         "metrics": metrics,
         "saved": saved,
         "loaded": loaded,
+        "resumed_skipped": resumed_skipped,
+        "resumed_params": resumed,
     }
 
 
@@ -106,6 +127,8 @@ def test_inf_on_one_rank_skipped_on_both(tmp_path: Path, fused: bool) -> None:
         assert r["metrics"]["overflow_rate"] == pytest.approx(1 / STEPS)
         assert r["metrics"]["loss_scale"] == r["scales"][-1]
         assert r["loaded"] == r["saved"] and r["saved"]["skipped_steps"] == 1
+        assert r["resumed_skipped"] == r["skipped"][SAVE_AT:]
+        assert r["resumed_params"] == r["params"]  # bitwise: resumed == uninterrupted
     # replicas identical: both ranks took the same decisions
     assert r0["params"] == r1["params"]
     assert r0["norms"] == r1["norms"]
