@@ -45,6 +45,7 @@ from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
+from distamp.precision.adaptive import refuse_outside_engine  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
 __all__ = ["ACCELERATE_VERSION", "SUPPORTED", "DistAMPAccelerator", "DistAMPOptimizer"]
@@ -126,6 +127,7 @@ class DistAMPAccelerator(Accelerator):
         trust_ddp_sync: bool = False,
         **kwargs: Any,
     ) -> None:
+        refuse_outside_engine(policy, type(self).__name__)
         super().__init__(*args, **kwargs)
         self.policy = policy
         self.trust_ddp_sync = bool(trust_ddp_sync)

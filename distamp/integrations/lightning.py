@@ -41,6 +41,7 @@ from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
 
 from distamp.cluster import DistEnv, detect_environment  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
+from distamp.precision.adaptive import refuse_outside_engine  # noqa: E402
 from distamp.precision.policy import parse_precision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
@@ -105,6 +106,7 @@ class DistAMPPrecision(MixedPrecision):
         *,
         trust_ddp_sync: bool = False,
     ) -> None:
+        refuse_outside_engine(policy, "DistAMPPrecision")
         parsed = parse_precision(precision)
         if parsed.compute_dtype is None:
             raise ValueError(

@@ -51,6 +51,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E40
 
 from distamp.integrations.lightning_scheduler import SkipAwareScheduler  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
+from distamp.precision.adaptive import refuse_outside_engine  # noqa: E402
 from distamp.precision.policy import AutocastPolicy, parse_precision  # noqa: E402
 from distamp.precision.policy import Precision as ParsedPrecision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
@@ -369,6 +370,7 @@ def check_plugin_args(
             precision, or a bad ``unscale``/``gate_schedulers``.
         TypeError: a scaler that is not a :class:`~distamp.DistributedGradScaler`.
     """
+    refuse_outside_engine(policy, owner)
     parsed = parse_precision(precision)
     if parsed.compute_dtype is None:
         raise ValueError(

@@ -42,7 +42,7 @@ from distamp.observe.numerics import NumericStats
 from distamp.precision.casts import to_fp32
 from distamp.precision.fp8_parallel import gathers_in_float8, is_float8_linear
 
-__all__ = ["AdaptivePrecision", "AdaptiveRules", "PrecisionChange"]
+__all__ = ["AdaptivePrecision", "AdaptiveRules", "PrecisionChange", "refuse_outside_engine"]
 
 _ADAPTABLE = ("fp16", "bf16", "fp8")
 _WIDER = {"fp8": "bf16", "fp16": "fp32", "bf16": "fp32"}
@@ -417,3 +417,23 @@ class AdaptivePrecision:
             for h in handles:
                 h.remove()
         self._handles = {}
+
+
+def refuse_outside_engine(policy: Any, owner: str) -> None:
+    """Refuse a policy whose adaptive rules or backward scales nothing would drive.
+
+    Their decisions are taken at :class:`~distamp.DistAMP`'s steps (the numeric monitor's agreed
+    reports); a framework plug-in applies a policy's fixed fp32 islands only, so it would train
+    as if the rules were not there, without a word.
+
+    Raises:
+        ValueError: ``policy.adaptive`` or ``policy.backward_scales`` is set.
+    """
+    adaptive = getattr(policy, "adaptive", None) is not None
+    if adaptive or getattr(policy, "backward_scales", None) is not None:
+        what = "adaptive=..." if adaptive else "backward_scales=..."
+        raise ValueError(
+            f"{owner}(policy=AutocastPolicy(..., {what})): adaptive precision and backward "
+            "scales are decided at distamp.DistAMP's steps; this plug-in applies a policy's "
+            "fixed fp32 modules only. Train through distamp.DistAMP, or pass a policy without them"
+        )
