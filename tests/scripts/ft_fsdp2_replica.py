@@ -79,6 +79,7 @@ def main() -> None:
         min_replica_size=1, replica_id=f"replica_{args.replica}", store_addr="localhost",
         store_port=args.port, rank=args.rank, world_size=2, lighthouse_addr=args.lighthouse,
         timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+        init_sync=False,  # seeded alike; a step-0 heal of a sharded model: README's limits
     )  # fmt: skip
 
     def across_replicas(shard: torch.Tensor) -> None:  # in place, averaged over the quorum
