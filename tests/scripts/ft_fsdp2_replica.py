@@ -24,17 +24,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from ft_replica import wait_for  # this directory: the sibling script
 from torch import nn
 
 import distamp
-
-
-def _wait_for(files: list[str], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(os.path.exists(f) for f in files):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"never appeared: {files}")
-        time.sleep(0.05)
 
 
 def main() -> None:
@@ -93,7 +86,7 @@ def main() -> None:
                                            process_group=manager)  # fmt: skip
     if args.ready:
         open(args.ready, "w").close()
-    _wait_for(args.wait_for)
+    wait_for(args.wait_for)
     log: list[dict] = []
     start = time.perf_counter()
     while manager.current_step() < args.steps:

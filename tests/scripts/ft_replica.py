@@ -29,7 +29,7 @@ from torch import nn
 import distamp
 
 
-def _wait_for(files: list[str], timeout: float = 120.0) -> None:
+def wait_for(files: list[str], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not all(os.path.exists(f) for f in files):
         if time.monotonic() > deadline:
@@ -99,7 +99,7 @@ def main() -> None:
         _engine_loop(args, manager, model, inner, ready_at)
     if args.ready:
         open(args.ready, "w").close()
-    _wait_for(args.wait_for)
+    wait_for(args.wait_for)
     ddp = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, inner)
     scaler = None
@@ -117,7 +117,7 @@ def main() -> None:
         t0 = time.perf_counter()
         step = manager.current_step()
         if step == args.pause_at:  # wait (outside any collective) for a restarted replica
-            _wait_for([args.pause_until])
+            wait_for([args.pause_until])
         if step == args.exit_at and not args.exit_after_unscale:
             # Before joining the step's quorum: torchft 0.2's DDP comm hook fails with an
             # AssertionError on the survivors when a peer dies inside the gradient all-reduce.
@@ -173,7 +173,7 @@ def _engine_loop(args: argparse.Namespace, manager, model, inner, ready_at: floa
             pass
     if args.ready:  # after setup: a restarted replica asks for its first quorum right away
         open(args.ready, "w").close()
-    _wait_for(args.wait_for)
+    wait_for(args.wait_for)
     log: list[dict] = []
     step_times: list[float] = []
     first_commit: float | None = None
@@ -182,7 +182,7 @@ def _engine_loop(args: argparse.Namespace, manager, model, inner, ready_at: floa
         t0 = time.perf_counter()
         step = manager.current_step()
         if step == args.pause_at:
-            _wait_for([args.pause_until])
+            wait_for([args.pause_until])
             # The restarted replica asked for its quorum before creating the file, but torchft
             # sends the request from a background thread: give it time to reach the Lighthouse
             # (else this replica, the previous quorum's only member, forms one alone at once).
