@@ -211,19 +211,28 @@ def test_save_resume_is_bitwise_equal(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- two ranks
 
 
-def _two_ranks(rank: int, world: int) -> dict[str, object]:
-    amp, net, policy = make("fp16", True, strategy="ddp")
-    train(amp, 0, 40, rank=rank, spiky=rank == 1)  # only rank 1's data overflows
+def _outcome(
+    amp: distamp.DistAMP, net: nn.Module, policy: AutocastPolicy | None
+) -> dict[str, object]:
+    """What the multi-rank tests compare (whole parameters, gathered where sharded), then the
+    engine closed. Plain lists: tensors through the result queue outlive their sender's shared
+    memory."""
     assert policy is not None and policy.adaptive is not None
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in net.parameters()]
     out = {
         "changes": [(c.step, c.module) for c in policy.adaptive.changes],
-        # plain lists: tensors through the result queue outlive their sender's shared memory
-        "params": [p.detach().flatten().tolist() for p in net.parameters()],
         "skipped": amp.scaler.skipped_steps,
-        "headroom": amp.numerics().headroom,  # type: ignore[union-attr]
+        "params": [p.detach().flatten().tolist() for p in params],
     }
     amp.close()
     return out
+
+
+def _two_ranks(rank: int, world: int) -> dict[str, object]:
+    amp, net, policy = make("fp16", True, strategy="ddp")
+    train(amp, 0, 40, rank=rank, spiky=rank == 1)  # only rank 1's data overflows
+    headroom = amp.numerics().headroom  # type: ignore[union-attr]
+    return {**_outcome(amp, net, policy), "headroom": headroom}
 
 
 def test_two_ranks_promote_together() -> None:
@@ -251,15 +260,7 @@ def test_warnings_are_not_errors() -> None:
 def _fsdp2(rank: int, world: int) -> dict[str, object]:
     amp, net, policy = make("fp16", True, strategy="fsdp2")
     train(amp, 0, 12, rank=rank, spiky=rank == 1)
-    assert policy is not None and policy.adaptive is not None
-    params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in net.parameters()]
-    out = {
-        "changes": [(c.step, c.module) for c in policy.adaptive.changes],
-        "skipped": amp.scaler.skipped_steps,
-        "params": [p.detach().flatten().tolist() for p in params],
-    }
-    amp.close()
-    return out
+    return _outcome(amp, net, policy)
 
 
 def test_fsdp2_promotes_inside_the_unit() -> None:
@@ -355,15 +356,7 @@ def _tensor_parallel(rank: int, world: int) -> dict[str, object]:
     amp = distamp.DistAMP("fp16", mesh=mesh, policy=policy)
     amp.setup(net, lambda p: torch.optim.AdamW(p, lr=3e-2))
     train(amp, 0, 12)  # tensor parallel: both ranks see the same batches
-    assert policy.adaptive is not None
-    params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in net.parameters()]
-    out = {
-        "changes": [(c.step, c.module) for c in policy.adaptive.changes],
-        "skipped": amp.scaler.skipped_steps,
-        "params": [p.detach().flatten().tolist() for p in params],
-    }
-    amp.close()
-    return out
+    return _outcome(amp, net, policy)
 
 
 def test_tensor_parallel_promotes_on_every_rank_as_one_process_does() -> None:
