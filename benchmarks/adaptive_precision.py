@@ -105,10 +105,18 @@ def overflow_run(name: str, steps: int) -> tuple[float, int, int, float]:
     return final, skipped, promotions, statistics.median(times)
 
 
-def gpt_engine(monitor: bool) -> tuple[distamp.DistAMP, ShardedText]:
+def gpt_engine(
+    numerics_interval: int | None, policy: AutocastPolicy | None = None
+) -> tuple[distamp.DistAMP, ShardedText]:
+    """The main job's GPT on one process (fp16, clipping), with the monitor at
+    ``numerics_interval`` (None: off) and an optional policy."""
     torch.manual_seed(0)
     amp = distamp.DistAMP(
-        "fp16", strategy="none", max_grad_norm=1.0, numerics_interval=10 if monitor else None
+        "fp16",
+        strategy="none",
+        max_grad_norm=1.0,
+        numerics_interval=numerics_interval,
+        policy=policy,
     )
     amp.setup(GPT(GPTConfig()), lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True))
     data = ShardedText(
@@ -181,26 +189,6 @@ def deep_run(name: str, steps: int, lr: float = 3e-3) -> tuple[float, float, int
     return final, mean_late, exponent, statistics.median(times)
 
 
-def gpt_scaled_engine(scales: bool) -> tuple[distamp.DistAMP, ShardedText]:
-    """The monitor alone (interval 10) vs the monitor plus backward scales."""
-    torch.manual_seed(0)
-    policy = AutocastPolicy("fp16", backward_scales=True) if scales else None
-    amp = distamp.DistAMP(
-        "fp16", strategy="none", max_grad_norm=1.0, numerics_interval=10, policy=policy
-    )
-    amp.setup(GPT(GPTConfig()), lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True))
-    data = ShardedText(
-        load_text(DATA_FILE),
-        context=GPTConfig().context,
-        batch_size=16,
-        rank=0,
-        world_size=1,
-        seed=0,
-        device=torch.device("cpu"),
-    )
-    return amp, data
-
-
 def interleaved(engines: dict[bool, tuple[distamp.DistAMP, ShardedText]], steps: int) -> Any:
     times: dict[bool, list[float]] = {k: [] for k in engines}
     for i in range(steps + 3):
@@ -237,7 +225,9 @@ def main() -> None:
         )
 
     print(f"\n2. numeric monitor on the main job's GPT, {args.gpt_steps} steps, interval 10")
-    base, mon = interleaved({m: gpt_engine(m) for m in (False, True)}, args.gpt_steps)
+    base, mon = interleaved(
+        {m: gpt_engine(10 if m else None) for m in (False, True)}, args.gpt_steps
+    )
     print(f"{'configuration':16} {'median ms':>10}")
     print(f"{'no monitor':16} {base * 1e3:10.2f}")
     print(f"{'monitor':16} {mon * 1e3:10.2f}")
@@ -258,7 +248,13 @@ def main() -> None:
     print(f"underflow, static / backward scales: {ratio:.1f}x")
     step_ratio = deep["backward scales"][3] / deep["static fp16"][3]
     print(f"step time, backward scales / static fp16 (deep model): {step_ratio:.3f}")
-    base, scaled = interleaved({s: gpt_scaled_engine(s) for s in (False, True)}, args.gpt_steps)
+    base, scaled = interleaved(
+        {
+            s: gpt_engine(10, AutocastPolicy("fp16", backward_scales=True) if s else None)
+            for s in (False, True)
+        },
+        args.gpt_steps,
+    )  # the monitor alone (interval 10) vs the monitor plus backward scales
     print(f"GPT step, monitor alone {base * 1e3:.2f} ms, with backward scales "
           f"{scaled * 1e3:.2f} ms: ratio {scaled / base:.3f}")  # fmt: skip
 
