@@ -8,10 +8,12 @@ that name what was waiting when a peer stops answering.
   success or in a :class:`RendezvousError` naming the address, the port, the launcher and the
   fix; :func:`shutdown_distributed`.
 - :mod:`~distamp.cluster.collectives`: :func:`named_collective`, :func:`is_distributed`.
+- :mod:`~distamp.cluster.agreement`: :func:`agree_settings`, settings compared across ranks once.
 """
 
 from __future__ import annotations
 
+from distamp.cluster.agreement import SettingsMismatchError, agree_settings
 from distamp.cluster.collectives import CollectiveTimeoutError, is_distributed, named_collective
 from distamp.cluster.detection import LAUNCHERS, detect_environment
 from distamp.cluster.dist_env import DistEnv
@@ -24,6 +26,8 @@ __all__ = [
     "DistEnv",
     "CollectiveTimeoutError",
     "RendezvousError",
+    "SettingsMismatchError",
+    "agree_settings",
     "detect_environment",
     "expand_nodelist",
     "free_port",

@@ -175,8 +175,25 @@ class AdaptiveRun:
             "backward_scales": None if self.scales is None else self.scales.state_dict(),
         }
 
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Check a :meth:`state_dict` against this run (``ValueError`` naming the part and the
+        field); changes nothing: the monitor's window, the promotions (modules this model has)
+        and the backward-scale exponents (blocks this model has, exponents in range)."""
+        if not isinstance(state, dict) or "monitor" not in state:
+            raise ValueError(f"must be a dict with a 'monitor' entry, got {state!r:.200}")
+        self.monitor.check_state_dict(state["monitor"])
+        for key, part in (("adaptive", self.adaptive), ("backward_scales", self.scales)):
+            saved = state.get(key)
+            if part is not None and saved is not None:
+                try:
+                    part.validate_state_dict(saved)
+                except (ValueError, TypeError) as exc:
+                    raise ValueError(f"{key!r}: {exc}") from None
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the monitor's window and replay the saved precision changes."""
+        """Restore the monitor's window and replay the saved precision changes (checked first:
+        a refused state changes nothing)."""
+        self.check_state_dict(state)
         self.monitor.load_state_dict(state["monitor"])
         if self.adaptive is not None and state.get("adaptive") is not None:
             self.adaptive.load_state_dict(state["adaptive"])

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
-import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +37,17 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.cluster import is_distributed
+from distamp.engine.rng import capture_rng, restore_rng
 
 __all__ = [
     "MANIFEST",
     "CheckpointError",
+    "CheckpointRead",
+    "apply_checkpoint",
     "capture_rng",
     "latest_checkpoint",
     "load_checkpoint",
+    "read_checkpoint",
     "restore_rng",
     "save_checkpoint",
 ]
@@ -131,36 +134,6 @@ def _save_synced(obj: Any, path: Path) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def capture_rng() -> dict[str, Any]:
-    """This process's random streams: torch (CPU and every CUDA device), ``random``, numpy.
-
-    numpy's global stream is saved only when numpy is already imported: a process that never
-    imported it never drew from it. Its state is stored as tensors and plain values so that the
-    file loads with ``weights_only=True``.
-    """
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    np = sys.modules.get("numpy")
-    if np is not None:
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = (name, torch.from_numpy(keys.copy()), pos, has_gauss, gauss)
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    """Put back the streams of :func:`capture_rng`."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((name, keys.numpy(), pos, has_gauss, gauss))
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
@@ -274,34 +247,43 @@ def _commit(root: Path, tmp: Path, final: Path, *, step: int, world: int, keep: 
     return final
 
 
-def load_checkpoint(
+@dataclass(frozen=True)
+class CheckpointRead:
+    """A checkpoint read and checked, not yet applied (:func:`read_checkpoint`)."""
+
+    path: Path  # the step directory
+    trainer: dict[str, Any]  # the ``trainer_state`` given to save_checkpoint, with "meta"
+    rng: dict[str, Any] | None  # this rank's streams; None when saved by another world size
+    saved_world: int | None  # the world size that saved it
+
+
+def read_checkpoint(
     directory: str | os.PathLike[str],
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-) -> dict[str, Any] | None:
-    """Load the latest complete checkpoint of ``directory`` into ``model`` and ``optimizer``.
+) -> CheckpointRead | None:
+    """Read everything of the latest checkpoint of ``directory`` that can be checked before the
+    model is touched, and check that it fits ``model`` and ``optimizer``; modifies nothing.
 
-    Collective: call on every rank. This rank's RNG streams are restored too when the world size
-    is the one that saved (with another world size the model and optimizer still load, resharded
-    by DCP, but per-rank streams have no counterpart, so they are left alone with a warning).
+    Collective: call on every rank. The check against the model reads DCP's metadata: every
+    model entry of the checkpoint must exist in this model and the reverse (a checkpoint of a
+    larger or another model is an error, not a silently loaded subset), with the same shapes.
+    What :func:`apply_checkpoint` then reads in place is only the tensor data.
 
     Returns:
-        The ``trainer_state`` given to :func:`save_checkpoint` (with a ``"meta"`` entry), or
-        ``None`` when the directory holds no checkpoint.
+        ``None`` when ``directory`` holds no checkpoint (it does not exist, or holds neither a
+        manifest nor anything a checkpoint is made of: metrics files and the like are fine).
 
     Raises:
-        CheckpointError: a file of the checkpoint is missing, truncated or corrupted (on every
-            rank, naming the file). Nothing on disk is modified; the model and optimizer are
-            untouched too, except when the sharded state itself is corrupted (DCP reads into
-            them in place, so they may then hold part of it: do not train on after the error).
+        CheckpointError: a file is missing, truncated, corrupted or of another format; the path
+            is a file, a step directory or a bare DCP checkpoint rather than a checkpoint
+            directory (the message says which directory to pass); the checkpoint does not fit
+            this model. Names the file and, for a mismatch, the entries.
     """
-    from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     path = latest_checkpoint(directory)
     if path is None:
+        _refuse_foreign(Path(directory))
         return None
     root = Path(directory)
     rank, world = _dist()
@@ -313,6 +295,7 @@ def load_checkpoint(
             f"{None if not isinstance(meta, dict) else meta.get('format')!r}; this distamp reads "
             f"format {FORMAT_VERSION}: load it with the distamp version that wrote it"
         )
+    assert isinstance(trainer, dict)
     saved_world = meta.get("world_size")
     rng, error = None, None
     if saved_world == world:
@@ -320,6 +303,8 @@ def load_checkpoint(
             rng = _load_file(path / f"rng_{rank}.pt", root)
         except CheckpointError as exc:
             error = str(exc)
+    if error is None:
+        error = _mismatch(path / "state", root, model)
     if world > 1:
         # Per-rank files fail on one rank only: agree, so that no rank trains on while a peer
         # has raised (it would wait in its first collective until the timeout).
@@ -328,8 +313,96 @@ def load_checkpoint(
         error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise CheckpointError(error)
-    # DCP loads in place, into the model's own tensors: every other file is read (and checked on
-    # every rank) first, so that a bad one fails before anything is modified.
+    return CheckpointRead(path, trainer, rng, saved_world if isinstance(saved_world, int) else None)
+
+
+def _refuse_foreign(root: Path) -> None:
+    """No manifest: nothing to resume, unless ``root`` is something a user may have mistaken
+    for a checkpoint directory (then say what to pass instead of starting from scratch)."""
+    if not root.exists():
+        return
+    if not root.is_dir():
+        raise CheckpointError(
+            f"{root} is a file, not a checkpoint directory: pass the directory given to "
+            "save_state()"
+        )
+    if (root / "trainer.pt").exists() or (root / "state").is_dir():
+        raise CheckpointError(
+            f"{root} is one step of a checkpoint directory, not the directory itself: pass "
+            f"its parent {root.parent} (its {MANIFEST} says which step is complete)"
+        )
+    if (root / ".metadata").exists():
+        raise CheckpointError(
+            f"{root} is a bare torch.distributed.checkpoint directory, not one written by "
+            "save_state() (no trainer state: step, scaler, scheduler); load it with "
+            "torch.distributed.checkpoint.load, or pass a directory save_state() wrote"
+        )
+    steps = sorted(p.name for p in root.glob("step_*") if p.is_dir())
+    if steps:
+        raise CheckpointError(
+            f"{root} holds step directories ({', '.join(steps)}) but no {MANIFEST}, so none "
+            f'is known to be complete: write {{"path": "<step directory>"}} to {root / MANIFEST}'
+            " to resume from one, or move them away to start over"
+        )
+
+
+def _mismatch(state_dir: Path, root: Path, model: nn.Module) -> str | None:
+    """Why the checkpoint in ``state_dir`` does not fit ``model``, or ``None``. The model's
+    entries only: the optimizer's would have to be materialised first (torch builds a fresh
+    optimizer's state with a step of zeros to list them), which a refused load must not do;
+    its entries follow the parameters, and DCP refuses a missing one before reading."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    try:
+        saved = FileSystemReader(str(state_dir)).read_metadata().state_dict_metadata
+    except Exception as exc:  # a missing or corrupted .metadata
+        return str(_unreadable(state_dir, exc, root))
+    mine = get_model_state_dict(model, options=_state_dict_options())
+    theirs = {k.split(".", 1)[1]: v for k, v in saved.items() if k.startswith("model.")}
+    problems = []
+    for what, keys in (
+        ("entries this model does not have", set(theirs) - set(mine)),
+        ("model entries missing from the checkpoint", set(mine) - set(theirs)),
+    ):
+        if keys:
+            shown = ", ".join(sorted(keys)[:5])
+            more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+            problems.append(f"{len(keys)} {what} ({shown}{more})")
+    for key in sorted(set(theirs) & set(mine)):
+        meta, value = theirs[key], mine[key]
+        if (
+            isinstance(meta, TensorStorageMetadata)
+            and isinstance(value, torch.Tensor)
+            and tuple(meta.size) != tuple(value.shape)
+        ):
+            problems.append(
+                f"{key}: shape {tuple(meta.size)} in the checkpoint, {tuple(value.shape)} here"
+            )
+    if not problems:
+        return None
+    return (
+        f"checkpoint {state_dir.parent} does not fit this model: {'; '.join(problems[:6])}. "
+        "It was saved from another model; nothing was loaded"
+    )
+
+
+def apply_checkpoint(
+    read: CheckpointRead, *, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """Load the tensors of a checkpoint :func:`read_checkpoint` accepted into ``model`` and
+    ``optimizer``, and restore this rank's RNG streams. Collective: call on every rank.
+
+    Raises:
+        CheckpointError: a DCP shard is corrupted. DCP reads into the model's own tensors, so
+            they may then hold part of it: do not train on after the error.
+    """
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = read.path
     msd, osd = get_state_dict(model, optimizer, options=_state_dict_options())
     state: dict[str, Any] = {"model": msd, "optim": osd}
     try:
@@ -338,7 +411,7 @@ def load_checkpoint(
     except (Exception, CheckpointException) as exc:  # the latter is a BaseException
         # DCP has already agreed on the failure across ranks (it gathers every rank's
         # exception), so every rank raises here and none is left waiting in a collective.
-        raise _unreadable(path / "state", exc, root) from exc
+        raise _unreadable(path / "state", exc, path.parent) from exc
     set_state_dict(
         model,
         optimizer,
@@ -346,16 +419,41 @@ def load_checkpoint(
         optim_state_dict=state["optim"],
         options=_state_dict_options(),
     )
-    if rng is not None:
-        restore_rng(rng)
+    if read.rng is not None:
+        restore_rng(read.rng)
     else:
         warnings.warn(
-            f"checkpoint {path} was saved by {saved_world} ranks and is loaded by {world}: model, "
-            "optimizer, scaler and scheduler are restored, the per-rank RNG streams are not "
-            "(the run continues, but not bitwise as an uninterrupted one would)",
-            stacklevel=2,
+            f"checkpoint {path} was saved by {read.saved_world} ranks and is loaded by "
+            f"{_dist()[1]}: model, optimizer, scaler and scheduler are restored, the per-rank "
+            "RNG streams are not (the run continues, but not bitwise as an uninterrupted one "
+            "would)",
+            stacklevel=3,
         )
-    return trainer
+
+
+def load_checkpoint(
+    directory: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> dict[str, Any] | None:
+    """:func:`read_checkpoint`, then :func:`apply_checkpoint`: load the latest complete
+    checkpoint of ``directory`` into ``model`` and ``optimizer``. Collective.
+
+    This rank's RNG streams are restored too when the world size is the one that saved (with
+    another world size the model and optimizer still load, resharded by DCP, but per-rank streams
+    have no counterpart, so they are left alone with a warning).
+
+    Returns:
+        The ``trainer_state`` given to :func:`save_checkpoint` (with a ``"meta"`` entry), or
+        ``None`` when the directory holds no checkpoint. Callers that must check the trainer
+        state before the model changes use the two halves instead (as ``DistAMP.load_state``).
+    """
+    read = read_checkpoint(directory, model=model, optimizer=optimizer)
+    if read is None:
+        return None
+    apply_checkpoint(read, model=model, optimizer=optimizer)
+    return read.trainer
 
 
 def _load_file(path: Path, root: Path) -> Any:

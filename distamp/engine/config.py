@@ -33,9 +33,10 @@ import torch
 from torch import nn
 
 from distamp.arguments import INT32_MAX, as_integer, as_real
-from distamp.cluster import is_distributed
+from distamp.cluster import agree_settings, is_distributed
 from distamp.parallel.replicas import is_ft_ddp, is_ft_manager
 from distamp.parallel.strategies import COMM_HOOKS, SHARDED, STRATEGIES
+from distamp.precision.describe import describe_policy
 from distamp.precision.policy import AutocastPolicy, Precision
 from distamp.scaler import DistributedGradScaler
 
@@ -43,8 +44,14 @@ __all__ = [
     "AMPConfig",
     "OptimizerArg",
     "SchedulerArg",
+    "built_optimizer",
     "check_ft_setup",
+    "check_model",
+    "check_optimizer",
+    "check_scaler",
     "check_setup",
+    "checked_scheduler",
+    "engine_settings",
     "make_scaler",
     "parse_device",
     "training_device",
@@ -82,10 +89,18 @@ class AMPConfig:
     device: torch.device | None = None
     trust_ddp_sync: bool = False
     ft_manager: Any = None
+    trace_nonfinite: bool = False
+    numerics_interval: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.trust_ddp_sync, bool):
-            raise ValueError(f"trust_ddp_sync={self.trust_ddp_sync!r} must be a bool")
+        for flag in ("trust_ddp_sync", "trace_nonfinite"):
+            if not isinstance(getattr(self, flag), bool):  # "no" would read as True
+                raise TypeError(f"{flag}={getattr(self, flag)!r} must be a bool (True or False)")
+        if self.numerics_interval is not None:
+            k = _integer("numerics_interval", self.numerics_interval)
+            if not 1 <= k <= INT32_MAX:
+                raise ValueError(f"numerics_interval={k!r} must be an int in [1, {INT32_MAX}]")
+            object.__setattr__(self, "numerics_interval", k)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is not one of {STRATEGIES}")
         if self.policy is not None:
@@ -215,8 +230,141 @@ def training_device(cfg: AMPConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def check_setup(cfg: AMPConfig, strategy: str, optimizer: Any, scheduler: Any) -> None:
-    """What can only be checked once the strategy is resolved (``ValueError``)."""
+def check_model(model: Any) -> None:
+    """``TypeError`` unless ``model`` (a stage's module already taken out) is an ``nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"setup(model=...): expected a torch.nn.Module (or a torch.distributed.pipelining "
+            f"stage, or a list of this rank's stages), got {type(model).__name__}: {model!r:.80}"
+        )
+
+
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, params: Any, what: str) -> None:
+    """``ValueError`` when ``optimizer`` updates a tensor that is not a parameter of the model:
+    the model would silently never change."""
+    mine = {id(p) for p in params}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = sum(1 for p in held if id(p) not in mine)
+    if not held or foreign:
+        raise ValueError(
+            f"setup(optimizer=...): {foreign or 'no'} of the {len(held)} tensors the "
+            f"{type(optimizer).__name__} updates {'are' if foreign else 'is'} not a parameter "
+            f"of {what}: build the optimizer over model.parameters() of the model you pass "
+            "(or pass a factory `lambda params: ...`)"
+        )
+
+
+def check_optimizer(optimizer: Any, model: nn.Module) -> None:
+    """``optimizer`` is an optimizer over ``model``'s parameters or a factory (``TypeError``,
+    ``ValueError``), checked before anything is wrapped."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        _check_optimizer_params(optimizer, model.parameters(), "this model")
+    elif not callable(optimizer):
+        raise TypeError(
+            "setup(optimizer=...): expected a torch.optim.Optimizer or a factory "
+            f"`lambda params: Optimizer(params, ...)`, got {type(optimizer).__name__}"
+        )
+
+
+def built_optimizer(optimizer: Any, wrapped: nn.Module) -> torch.optim.Optimizer:
+    """What an optimizer factory returned, checked (``TypeError``/``ValueError``)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "setup(optimizer=<factory>): the factory must return a torch.optim.Optimizer, "
+            f"returned {type(optimizer).__name__}"
+        )
+    _check_optimizer_params(optimizer, wrapped.parameters(), "the wrapped model")
+    return optimizer
+
+
+def checked_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """The scheduler (built from a factory if one was given), driving ``optimizer``."""
+    if scheduler is not None and not hasattr(scheduler, "step"):
+        if not callable(scheduler):
+            raise TypeError(
+                "setup(scheduler=...): expected an LR scheduler (with .step()), a factory "
+                f"`lambda opt: ...` or None, got {type(scheduler).__name__}"
+            )
+        scheduler = scheduler(optimizer)
+        if not hasattr(scheduler, "step"):
+            raise TypeError(
+                "setup(scheduler=<factory>): the factory must return a scheduler (with "
+                f".step()), returned {type(scheduler).__name__}"
+            )
+    bound = getattr(scheduler, "optimizer", optimizer)
+    if bound is not optimizer:
+        raise ValueError(
+            f"setup(scheduler=...): this {type(scheduler).__name__} drives another optimizer "
+            f"({type(bound).__name__} at {id(bound):#x}), not the one passed to setup(): its "
+            "learning rates would never reach training; build it over that optimizer"
+        )
+    return scheduler
+
+
+def engine_settings(cfg: AMPConfig, strategy: str, device: torch.device) -> dict[str, Any]:
+    """Everything of ``cfg`` that must be identical on every rank (see
+    :mod:`distamp.cluster.agreement`); the scaler's own settings when one was passed."""
+    mesh = cfg.mesh
+    settings: dict[str, Any] = {
+        "precision": cfg.precision.name,
+        "strategy": strategy,
+        "device_type": device.type,
+        "grad_accum_steps": cfg.grad_accum_steps,
+        "max_grad_norm": cfg.max_grad_norm,
+        "comm_hook": cfg.comm_hook,
+        "hsdp_shard_size": cfg.hsdp_shard_size,
+        "trust_ddp_sync": cfg.trust_ddp_sync,
+        "trace_nonfinite": cfg.trace_nonfinite,
+        "numerics_interval": cfg.numerics_interval,
+        "ft_manager": cfg.ft_manager is not None,
+        "mesh": None if mesh is None else (tuple(mesh.shape), mesh.mesh_dim_names),
+        "scaler": "default" if cfg.scaler is None else type(cfg.scaler).__name__,
+        **describe_policy(cfg.policy),
+    }
+    if cfg.scaler is not None:
+        settings.update(cfg.scaler.settings())
+    return settings
+
+
+def check_scaler(cfg: AMPConfig, device: torch.device) -> None:
+    """A scaler passed by the user works on the training device (``ValueError`` with the fix):
+    torch disables a scaler built for a device that is not there with a mere warning, and an
+    fp16 run would then train unscaled, with no inf check."""
+    scaler = cfg.scaler
+    if scaler is None:
+        return
+    if scaler.device_type != device.type:
+        raise ValueError(
+            f"scaler: built for device {scaler.device_type!r}, but the engine trains on "
+            f"{device.type!r}{' (not available here)' if not scaler.is_enabled() else ''}: build "
+            f"it with DistributedGradScaler({device.type!r}, ...), or pass scaler=None"
+        )
+    if cfg.precision.needs_scaler and not scaler.is_enabled():
+        raise ValueError(
+            f"scaler: disabled, and precision={cfg.precision.name!r} needs loss scaling (an "
+            "inf would go unnoticed): pass an enabled scaler, or scaler=None for the engine's own"
+        )
+
+
+def check_setup(
+    cfg: AMPConfig,
+    strategy: str,
+    device: torch.device,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+) -> None:
+    """What can only be checked at setup, once the strategy and device are resolved (the
+    model's type is checked before, by :func:`check_model`): the optimizer, scheduler and scaler
+    passed (``TypeError``/``ValueError``), then, in one collective, that every rank has the
+    same settings (:class:`~distamp.cluster.SettingsMismatchError` on every rank)."""
+    check_optimizer(optimizer, model)
+    check_scaler(cfg, device)
+    _check_combinations(cfg, strategy, optimizer, scheduler)
+    agree_settings(engine_settings(cfg, strategy, device), what="DistAMP")
+
+
+def _check_combinations(cfg: AMPConfig, strategy: str, optimizer: Any, scheduler: Any) -> None:
     built = isinstance(optimizer, torch.optim.Optimizer)
     if built and strategy in SHARDED and hasattr(scheduler, "step"):
         raise ValueError(

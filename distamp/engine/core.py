@@ -30,18 +30,22 @@ from distamp.cluster import (
 )
 from distamp.engine.accounting import MicroBatchCycle, SkipReports
 from distamp.engine.adaptive_run import AdaptiveRun
-from distamp.engine.checkpoint import load_checkpoint, save_checkpoint
+from distamp.engine.checkpoint import apply_checkpoint, read_checkpoint, save_checkpoint
 from distamp.engine.config import (
     AMPConfig,
     OptimizerArg,
     SchedulerArg,
+    built_optimizer,
     check_ft_setup,
+    check_model,
     check_setup,
+    checked_scheduler,
     make_scaler,
     parse_device,
     training_device,
 )
 from distamp.engine.loop import RunLoop, pipeline_stages
+from distamp.engine.resume import plan_resume
 from distamp.observe.diagnostics import NonFiniteTracer
 from distamp.observe.metrics import Metrics, StepResult
 from distamp.observe.numerics import NumericStats
@@ -73,13 +77,11 @@ class DistAMP(RunLoop):
     """Mixed-precision training engine.
 
     Args:
-        precision: any spelling :func:`distamp.precision.policy.parse_precision` accepts ("bf16",
-        "fp16",
-            "16-mixed", torch.float16...). fp16 gets a :class:`~distamp.DistributedGradScaler`;
-            bf16 and fp32 need no loss scaling and get a check-only one (non-finite steps are
-            still skipped on every rank). "fp8": the policy's selected Linear layers run as
-            torchao float8 layers, the rest as bf16, check-only scaler (see
-            :mod:`distamp.precision.fp8`).
+        precision: any spelling :func:`~distamp.precision.policy.parse_precision` accepts
+            ("bf16", "fp16", "16-mixed", torch.float16...). fp16 gets a loss-scaling
+            :class:`~distamp.DistributedGradScaler`; bf16 and fp32 a check-only one (non-finite
+            steps still skipped on every rank); "fp8": the policy's selected Linear layers as
+            torchao float8 layers, the rest bf16, check-only (:mod:`distamp.precision.fp8`).
         strategy: "ddp", "fsdp" (FSDP1), "fsdp2" (``fully_shard``), "none", or "auto" (ddp when
             more than one rank, else none).
         policy: an :class:`~distamp.AutocastPolicy` (its precision must be ``precision``), or
@@ -100,24 +102,23 @@ class DistAMP(RunLoop):
         scaler: a scaler to use instead of the default one (e.g. ``sync_free=True``).
         timeout: seconds for the rendezvous when :meth:`setup` has to initialize the group.
         device: the training device; ``None``: this rank's CUDA device if any, else CPU.
-        trace_nonfinite: forward hooks that find the first module whose output went inf/NaN,
-            for the overflow report (see :mod:`distamp.observe.diagnostics`; costs one reduction per
-            module output, ~4% of the main job's step on CPU).
+        trace_nonfinite: forward hooks that find the first module whose output went inf/NaN
+            (:mod:`distamp.observe.diagnostics`; ~4% of the main job's step on CPU).
         numerics_interval: run the numeric monitor (:mod:`distamp.observe.numerics`) with a report
             every this many steps, read by :meth:`numerics`; an adaptive policy runs it anyway.
         trust_ddp_sync: skip the skip-flag collective when DDP's all-reduce spans the job (it
             spread any inf); only if nothing edits one rank's gradients between backward and step.
-        ft_manager: this replica group's ``torchft.Manager`` (fault-tolerant replica groups): the
-            model is wrapped in torchft's DDP across replicas (unless already wrapped or
-            sharded by you), the scaler agrees, votes on the commit and heals through the
-            Manager, and the engine starts each step's quorum as its first forward enters
-            :meth:`autocast` (or at its first ``backward``): do not call ``start_quorum`` or a
-            torchft optimizer wrapper's ``zero_grad`` yourself. See
-            :mod:`distamp.parallel.replicas`.
+        ft_manager: this replica group's ``torchft.Manager``: the model is wrapped in torchft's
+            DDP across replicas (unless wrapped or sharded by you), the scaler agrees, votes and
+            heals through it, and each step's quorum starts as its first forward enters
+            :meth:`autocast`: do not call ``start_quorum`` yourself
+            (:mod:`distamp.parallel.replicas`).
 
     Raises:
         ValueError: a bad setting; the message names the field and echoes the value.
-        TypeError: ``ft_manager`` is not a ``torchft.Manager``.
+        TypeError: a flag that is not a bool; ``ft_manager`` is not a ``torchft.Manager``.
+
+    The settings that must be identical on every rank are compared once, at :meth:`setup`.
     """
 
     # What the engine holds, set in __init__ and completed by setup().
@@ -179,18 +180,17 @@ class DistAMP(RunLoop):
             device=parse_device(device),
             trust_ddp_sync=trust_ddp_sync,
             ft_manager=ft_manager,
+            trace_nonfinite=trace_nonfinite,
+            numerics_interval=numerics_interval,
         )
         self.strategy, self.mp_owner, self.device = strategy, "none", torch.device("cpu")
         self.scaler = scaler if scaler is not None else DistributedGradScaler("cpu", enabled=False)
         self.scheduler = None
         self.metrics = Metrics(self.device)
-        self.trace_nonfinite = bool(trace_nonfinite)
         self.tracer, self.fp8, self.comm_hook_state, self.quorum = None, None, None, None
-        self.numerics_interval, self.adaptive = numerics_interval, None
+        self.adaptive, self.skips = None, SkipReports()
         self.step_count, self.cycle = 0, MicroBatchCycle(self.config.grad_accum_steps)
-        self._model, self._optimizer = None, None
-        self._owns_group = False
-        self.skips = SkipReports()
+        self._model, self._optimizer, self._owns_group = None, None, False
 
     @property
     def precision(self) -> Precision:
@@ -224,14 +224,12 @@ class DistAMP(RunLoop):
         one ``nn.ModuleDict`` keyed ``"stage{stage_index}"`` (the global index, so checkpoint keys
         do not depend on which rank holds a stage). Drive the schedule with :meth:`pipeline_step`.
 
-        Pass the optimizer as a factory (``lambda params: AdamW(params, lr=...)``) to have it built
-        over the wrapped parameters. FSDP replaces the parameters, so an optimizer that was already
-        built is *rebuilt* for "fsdp"/"fsdp2": same class, same parameter groups (matched by
-        parameter name) and hyper-parameters, with a warning; use the returned one. One that has
-        already stepped (it holds state) cannot be carried over and raises ``ValueError``. The
-        scheduler may likewise be an instance or a factory ``lambda opt: ...``; an instance bound
-        to an optimizer that had to be rebuilt raises ``ValueError``. The scheduler ends up in
-        :attr:`scheduler`.
+        The optimizer: one over this model's parameters, or a factory ``lambda params: ...``
+        (built over the wrapped ones). FSDP replaces parameters, so a built one is *rebuilt* for
+        "fsdp"/"fsdp2" (same class, groups matched by name, hyper-parameters; a warning): use
+        the returned one; one that has stepped raises ``ValueError``. The scheduler (instance
+        driving that optimizer, or factory ``lambda opt: ...``) ends up in :attr:`scheduler`.
+        Then the ranks' settings are compared (one collective; see :mod:`distamp.engine.config`).
 
         Returns:
             ``(wrapped_model, optimizer)``.
@@ -244,6 +242,7 @@ class DistAMP(RunLoop):
         cfg = self.config
         self.device = training_device(cfg)
         stages, model = pipeline_stages(model)
+        check_model(model)
         parallelised = cfg.mesh is not None or bool(stages) or is_parallelised(model)
         ft = cfg.ft_manager
         self.strategy = (
@@ -252,7 +251,8 @@ class DistAMP(RunLoop):
             else check_ft_setup(cfg, model, parallelised=parallelised, stages=bool(stages))
         )
         self.mp_owner = select_mp_owner(cfg.precision, self.strategy, self.device.type)
-        check_setup(cfg, self.strategy, optimizer, scheduler)
+        # Before wrapping, whose collectives would hang or diverge on ranks built differently.
+        check_setup(cfg, self.strategy, self.device, model, optimizer, scheduler)
         names = {id(p): n for n, p in model.named_parameters()}
         model = model.to(self.device)
         fsdp_dtype = cfg.precision.compute_dtype if self.mp_owner == "fsdp" else None
@@ -282,11 +282,10 @@ class DistAMP(RunLoop):
         if ft is not None:  # the engine votes and starts quorums: torchft's wrapper would too
             optimizer = unwrap_ft_optimizer(optimizer, ft)
         if not isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = optimizer(list(wrapped.parameters()))
+            optimizer = built_optimizer(optimizer(list(wrapped.parameters())), wrapped)
         elif self.strategy in SHARDED:
             optimizer = rebuild_optimizer(optimizer, names, wrapped, self.strategy)
-        if scheduler is not None and not hasattr(scheduler, "step"):
-            scheduler = scheduler(optimizer)
+        scheduler = checked_scheduler(scheduler, optimizer)
         self.scaler = (
             cfg.scaler
             if cfg.scaler is not None
@@ -304,12 +303,12 @@ class DistAMP(RunLoop):
         if cfg.comm_hook is not None:
             assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
             self.comm_hook_state = register_comm_hook(wrapped, cfg.comm_hook, scaler=self.scaler)
-        if self.trace_nonfinite:
+        if cfg.trace_nonfinite:
             self.tracer = NonFiniteTracer(model)  # the unwrapped model: its module names
             self.scaler.attach_tracer(self.tracer)
         self.adaptive = AdaptiveRun.build(  # the unwrapped model: its module names
             model, precision=cfg.precision, policy=cfg.policy, scaler=self.scaler,
-            interval=self.numerics_interval, step=self.step_count,
+            interval=cfg.numerics_interval, step=self.step_count,
         )  # fmt: skip
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
         self.metrics = Metrics(self.device)
@@ -404,11 +403,8 @@ class DistAMP(RunLoop):
         return result
 
     def backward_and_step(self, loss: torch.Tensor, *, tokens: int = 0) -> StepResult | None:
-        """``backward(loss)``, then ``step()`` if that completed an accumulation cycle.
-
-        Returns:
-            The :class:`StepResult`, or ``None`` after a micro-batch that did not step.
-        """
+        """``backward(loss)``, then ``step()`` if that completed an accumulation cycle: the
+        :class:`StepResult`, or ``None`` after a micro-batch that did not step."""
         self.backward(loss, tokens=tokens)
         return self.step() if self.cycle.complete else None
 
@@ -416,7 +412,8 @@ class DistAMP(RunLoop):
     def state_dict(self) -> dict[str, Any]:
         """The small, rank-identical state: step counter, scaler, scheduler (syncs: the scaler)."""
         sched = self.scheduler.state_dict() if self.scheduler is not None else None
-        state = {"step": self.step_count, "scaler": self.scaler.state_dict(), "scheduler": sched}
+        state = {"step": self.step_count, "precision": self.precision.name}  # resume converts
+        state.update(scaler=self.scaler.state_dict(), scheduler=sched)
         if self.adaptive is not None:  # precision changes, replayed by load_state
             state["adaptive"] = self.adaptive.state_dict()
         return state
@@ -441,27 +438,30 @@ class DistAMP(RunLoop):
     def load_state(self, directory: str | Path) -> bool:
         """Load the latest checkpoint of ``directory``, if any. Collective: call on every rank.
 
+        Everything is checked before anything is applied (files, the model's and optimizer's
+        entries and shapes, every trainer field: :mod:`distamp.engine.resume`); a checkpoint of
+        another precision keeps its loss scale only between fp16 runs (a log line says so).
+
         Returns:
-            True if a checkpoint was loaded, False if the directory holds none.
+            True if a checkpoint was loaded, False if ``directory`` holds none.
 
         Raises:
-            CheckpointError: a checkpoint file is truncated or corrupted (the message names it);
-                the directory is left as it was, so the good checkpoints in it survive.
+            CheckpointError: a file is unreadable, the path is not a checkpoint directory, or
+                the checkpoint does not fit this model; nothing changed (the file is named).
+            ValueError: a trainer field is malformed or does not fit; nothing changed.
         """
         with named_collective("load_state (checkpoint read)", self.config.timeout):
-            state = load_checkpoint(directory, model=self.model, optimizer=self.optimizer)
-            if state is not None and self.fp8 is not None:
+            read = read_checkpoint(directory, model=self.model, optimizer=self.optimizer)
+            if read is None:
+                return False
+            plan = plan_resume(
+                read.trainer, read.path / "trainer.pt", precision=self.precision,
+                scaler=self.scaler, scheduler=self.scheduler, adaptive=self.adaptive,
+            )  # fmt: skip
+            apply_checkpoint(read, model=self.model, optimizer=self.optimizer)
+            if self.fp8 is not None:
                 self.fp8.after_step(self.model)  # the loaded weights' float8 scales
-        if state is None:
-            return False
-        self.step_count = int(state["step"])
-        if state["scaler"]:  # {} when it was saved disabled (bf16/fp32)
-            self.scaler.load_state_dict(state["scaler"])
-            self.skips.restored(self.scaler.skipped_steps)  # restored skips are not new ones
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.adaptive is not None and state.get("adaptive") is not None:
-            self.adaptive.load_state_dict(state["adaptive"])
+        self.step_count = plan.apply(self.scaler, self.scheduler, self.adaptive, self.skips)
         return True
 
     def numerics(self) -> NumericStats | None:
@@ -472,12 +472,10 @@ class DistAMP(RunLoop):
     def close(self) -> None:
         """Finish the job cleanly on every rank. Collective: call on every rank.
 
-        A barrier first, so that no rank tears down its communication while a peer is still
-        sending; then the wrapped model, optimizer and hooks are released, so that DDP's reducer
-        and the process group it references are destroyed now, in order, rather than during
-        interpreter shutdown (where gloo's threads can abort the process: "terminate called
-        without an active exception"); then the process group is destroyed if :meth:`setup`
-        created it. The engine cannot train after this. Idempotent.
+        A barrier (no rank tears down while a peer still sends); the model, optimizer and hooks
+        released, so DDP's reducer and its group die now, in order, not at interpreter shutdown
+        (where gloo's threads can abort: "terminate called without an active exception"); the
+        group destroyed if :meth:`setup` created it. No training after this. Idempotent.
         """
         if is_distributed():
             dist.barrier()

@@ -44,6 +44,7 @@ from accelerate import Accelerator  # noqa: E402  (only after the version check)
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
+from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
 from distamp.precision.adaptive import refuse_outside_engine  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
@@ -158,6 +159,11 @@ class DistAMPAccelerator(Accelerator):
                 self.native_amp = True
             self.scaler = scaler
         self.register_load_state_pre_hook(self._remember_load_dir)
+        agree_plugin_settings(  # one collective, now: ranks built differently fail here
+            type(self).__name__, precision=str(mode), scaler=self.scaler, policy=policy,
+            trust_ddp_sync=self.trust_ddp_sync, distributed_type=str(self.distributed_type),
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ preparing
     def prepare_model(

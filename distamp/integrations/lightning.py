@@ -40,6 +40,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment  # noqa: E4
 from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
 
 from distamp.cluster import DistEnv, detect_environment  # noqa: E402
+from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
 from distamp.precision.adaptive import refuse_outside_engine  # noqa: E402
 from distamp.precision.policy import parse_precision  # noqa: E402
@@ -139,6 +140,10 @@ class DistAMPPrecision(MixedPrecision):
             self.policy.apply(module)
         if isinstance(self.scaler, DistributedGradScaler):
             self.scaler.register_module(module)  # parameter names for overflow reports
+        agree_plugin_settings(  # one collective per setup(): ranks built differently fail here
+            type(self).__name__, precision=self.precision, scaler=self.scaler,
+            policy=self.policy, trust_ddp_sync=self.trust_ddp_sync,
+        )  # fmt: skip
         return super().convert_module(module)
 
     def forward_context(self) -> AbstractContextManager[Any]:

@@ -49,6 +49,7 @@ from lightning.pytorch.plugins.precision.precision import Precision  # noqa: E40
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 
+from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
 from distamp.integrations.lightning_scheduler import SkipAwareScheduler  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
 from distamp.precision.adaptive import refuse_outside_engine  # noqa: E402
@@ -127,6 +128,11 @@ class TrainerPrecisionBase(Precision):
         without touching Lightning's loops.
         """
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
+        agree_plugin_settings(  # one collective: ranks built differently fail before training
+            type(self).__name__, precision=self._parsed.name, scaler=self._scaler,
+            policy=self.policy, trust_ddp_sync=self.trust_ddp_sync, unscale=self.unscale,
+            gate_schedulers=self.gate_schedulers,
+        )  # fmt: skip
         if self.trust_ddp_sync and isinstance(model, torch.nn.parallel.DistributedDataParallel):
             self._clipper.register_module(model, trust_ddp_sync=True)
         else:

@@ -335,7 +335,43 @@ class NumericMonitor:
             "window_amax": None if self._window_amax is None else self._window_amax.tolist(),
         }
 
+    def check_state_dict(self, state: Any) -> None:
+        """Check a :meth:`state_dict` against this monitor (``ValueError`` naming the field);
+        changes nothing. The window must hold one value per watched module of this model."""
+        if not isinstance(state, dict) or set(state) != {"step", "firsts", "window_amax"}:
+            raise ValueError(
+                "numeric monitor state must be a dict with keys 'firsts', 'step' and "
+                f"'window_amax', got {state!r:.200}"
+            )
+        step = state["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
+            raise ValueError(f"monitor 'step' must be an int in [0, 2**63 - 1], got {step!r}")
+        m = len(self.modules)
+        firsts = state["firsts"]
+        if not isinstance(firsts, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and -2 <= i < m for i in firsts
+        ):
+            raise ValueError(
+                f"monitor 'firsts' must be a list of module indices in [-2, {m - 1}] (-2: not "
+                f"skipped, -1: no module blamed), got {firsts!r:.200}"
+            )
+        if len(firsts) > step:
+            raise ValueError(f"monitor 'firsts' has {len(firsts)} entries for {step} steps")
+        amax = state["window_amax"]
+        if amax is not None and (
+            not isinstance(amax, list)
+            or len(amax) != m
+            or not all(isinstance(x, float) for x in amax)
+        ):
+            raise ValueError(
+                f"monitor 'window_amax' must be None or {m} floats (one per watched module of "
+                f"this model), got {amax!r:.200}"
+            )
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; checked first (:meth:`check_state_dict`), so a refused
+        state changes nothing."""
+        self.check_state_dict(state)
         self.step = int(state["step"])
         self._firsts = [torch.tensor(i) for i in state["firsts"]]
         if state["window_amax"] is not None:

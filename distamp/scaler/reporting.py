@@ -51,6 +51,27 @@ class ScalerReporting(torch.amp.GradScaler):
         return self._max_scale
 
     @property
+    def device_type(self) -> str:
+        """The device type the scaler was built for ("cuda", "cpu"...)."""
+        return str(self._device)
+
+    def settings(self) -> dict[str, Any]:
+        """What must be identical on every rank that agrees (compared once at setup by the
+        engine and the plug-ins). Host sync: reads the scale."""
+        return {
+            "scaler.enabled": self._enabled,
+            "scaler.check_only": self._check_only,
+            "scaler.sync_free": self._sync_free,
+            "scaler.scale": self.get_scale() if self._enabled else None,
+            "scaler.growth_factor": self._growth_factor,
+            "scaler.backoff_factor": self._backoff_factor,
+            "scaler.growth_interval": self._growth_interval,
+            "scaler.hysteresis": self._hysteresis,
+            "scaler.min_scale": self._min_scale,
+            "scaler.max_scale": self._max_scale,
+        }
+
+    @property
     def check_only(self) -> bool:
         """Whether this scaler only checks (bf16/fp32: no scaling, non-finite steps skipped)."""
         return self._check_only
@@ -134,6 +155,17 @@ class ScalerReporting(torch.amp.GradScaler):
         )
         return sd
 
+    def check_state_dict(self, state_dict: Any) -> dict[str, Any]:
+        """Check a state as :meth:`load_state_dict` would, without loading it: returns it
+        normalised (plain numbers, distamp's keys filled in), or raises ``ValueError`` naming the
+        key. Lets a caller check a whole checkpoint before applying any part of it."""
+        return validate_state_dict(
+            state_dict,
+            default_hysteresis=self._hysteresis,
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
+        )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state from this class or from ``torch.amp.GradScaler.state_dict()``.
 
@@ -145,12 +177,7 @@ class ScalerReporting(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
-        sd = validate_state_dict(
-            state_dict,
-            default_hysteresis=self._hysteresis,
-            min_scale=self._min_scale,
-            max_scale=self._max_scale,
-        )
+        sd = self.check_state_dict(state_dict)
         super().load_state_dict(sd)
         self._hysteresis = sd["hysteresis"]
         self._counters.load(sd["_hysteresis_tracker"], sd["skipped_steps"])

@@ -1,0 +1,304 @@
+"""The engine's contract at its edges: a refused load or setup changes nothing, a checkpoint of
+another precision is converted explicitly, and ranks built with different settings fail at setup
+on every rank, naming the field (real gloo processes)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from distamp import DistAMP, DistributedGradScaler
+from distamp.cluster import SettingsMismatchError
+from distamp.engine.checkpoint import CheckpointError
+from tests._dist import run_ranks
+
+
+def _model(width: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
+
+
+def _engine(precision: str = "fp16", width: int = 8, **kwargs: Any) -> tuple[DistAMP, nn.Module]:
+    fused = kwargs.pop("fused", None)
+    amp = DistAMP(precision, device="cpu", **kwargs)
+    model = _model(width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    amp.setup(model, opt, sched)
+    return amp, model
+
+
+def _train(amp: DistAMP, steps: int) -> None:
+    torch.manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(16, 4), torch.randn(16, 2)
+        with amp.autocast():
+            loss = nn.functional.mse_loss(amp.model(x).float(), y)
+        amp.backward_and_step(loss)
+
+
+def _snapshot(amp: DistAMP) -> dict[str, Any]:
+    return {
+        "model": copy.deepcopy(amp.model.state_dict()),
+        "optim": copy.deepcopy(amp.optimizer.state_dict()),
+        "scaler": amp.scaler.state_dict(),
+        "sched": copy.deepcopy(amp.scheduler.state_dict()),
+        "step": amp.step_count,
+    }
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b or (a != a and b != b))  # NaN equals NaN here
+
+
+def _saved(tmp_path: Path, precision: str = "fp16", **kwargs: Any) -> Path:
+    amp, _ = _engine(precision, **kwargs)
+    _train(amp, 3)
+    return amp.save_state(tmp_path)
+
+
+def _edit_trainer(step_dir: Path, edit: Any) -> None:
+    path = step_dir / "trainer.pt"
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    torch.save(state, path)
+
+
+def _scaler_scale_nan(s: dict[str, Any]) -> None:
+    s["scaler"]["scale"] = float("nan")
+
+
+def _step_text(s: dict[str, Any]) -> None:
+    s["step"] = "abc"
+
+
+def _no_scaler(s: dict[str, Any]) -> None:
+    del s["scaler"]
+
+
+def _tracker_past_interval(s: dict[str, Any]) -> None:
+    s["scaler"]["_growth_tracker"] = s["scaler"]["growth_interval"]
+
+
+def _foreign_scheduler(s: dict[str, Any]) -> None:
+    s["scheduler"] = {"foo": 1}
+
+
+def _unknown_field(s: dict[str, Any]) -> None:
+    s["epoch_of_other_tool"] = 3
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (_scaler_scale_nan, "scale"),
+        (_step_text, "step"),
+        (_no_scaler, "scaler"),
+        (_tracker_past_interval, "_growth_tracker"),
+        (_foreign_scheduler, "scheduler"),
+        (_unknown_field, "epoch_of_other_tool"),
+    ],
+)
+def test_a_refused_load_changes_nothing(edit: Any, field: str, tmp_path: Path) -> None:
+    step_dir = _saved(tmp_path)
+    _edit_trainer(step_dir, edit)
+    amp, _ = _engine()
+    _train(amp, 1)  # some state of its own, which must survive the refused load
+    before = _snapshot(amp)
+    with pytest.raises(ValueError) as info:
+        amp.load_state(tmp_path)
+    assert "trainer.pt" in str(info.value) and field in str(info.value), info.value
+    assert _same(_snapshot(amp), before)
+
+
+@pytest.mark.parametrize("width", [16, 4])
+def test_a_checkpoint_of_another_model_is_refused_before_loading(
+    width: int, tmp_path: Path
+) -> None:
+    _saved(tmp_path, width=width)  # a larger, then a smaller model
+    amp, _ = _engine()
+    before = _snapshot(amp)
+    with pytest.raises(CheckpointError, match="does not fit this model") as info:
+        amp.load_state(tmp_path)
+    assert "shape" in str(info.value)
+    assert _same(_snapshot(amp), before)
+
+
+def test_a_checkpoint_with_extra_entries_is_not_loaded_as_a_subset(tmp_path: Path) -> None:
+    amp = DistAMP("fp16", device="cpu")
+    big = nn.Sequential(_model(), nn.Linear(2, 2))
+    amp.setup(big, torch.optim.AdamW(big.parameters()))
+    amp.save_state(tmp_path)
+    small, _ = _engine()
+    before = _snapshot(small)
+    with pytest.raises(CheckpointError, match="entries this model does not have"):
+        small.load_state(tmp_path)
+    assert _same(_snapshot(small), before)
+
+
+def test_a_path_that_is_not_a_checkpoint_directory_is_an_error(tmp_path: Path) -> None:
+    step_dir = _saved(tmp_path / "ckpt")
+    amp, _ = _engine()
+    (tmp_path / "file.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="is a file"):
+        amp.load_state(tmp_path / "file.pt")
+    with pytest.raises(CheckpointError, match="pass its parent"):
+        amp.load_state(step_dir)
+    with pytest.raises(CheckpointError, match=r"bare torch\.distributed\.checkpoint"):
+        amp.load_state(step_dir / "state")
+    (tmp_path / "ckpt" / "latest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"no latest\.json"):
+        amp.load_state(tmp_path / "ckpt")
+    # Nothing to resume: a missing directory, or one with only a run's other outputs.
+    assert amp.load_state(tmp_path / "missing") is False
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "metrics.jsonl").write_text("{}\n")
+    assert amp.load_state(tmp_path / "out") is False
+
+
+def test_fp16_checkpoint_resumed_in_bf16_with_a_fused_optimizer_drops_the_scale(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _saved(tmp_path, "fp16", fused=True)
+    amp, _ = _engine("bf16", fused=True)
+    with caplog.at_level(logging.WARNING, logger="distamp"):
+        assert amp.load_state(tmp_path)
+    assert amp.scaler.get_scale() == 1.0  # never the fp16 run's 65536
+    assert amp.step_count == 3
+    assert any("saved in fp16" in r.getMessage() for r in caplog.records), caplog.text
+    _train(amp, 2)
+    assert all(torch.isfinite(p).all() for p in amp.model.parameters())
+
+
+def test_bf16_checkpoint_resumed_in_fp16_starts_at_the_fp16_scale(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _saved(tmp_path, "bf16")
+    amp, _ = _engine("fp16")
+    with caplog.at_level(logging.WARNING, logger="distamp"):
+        assert amp.load_state(tmp_path)
+    assert amp.scaler.get_scale() == 2.0**16
+    assert any("bf16" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_same_precision_resume_keeps_the_scale(tmp_path: Path) -> None:
+    amp, _ = _engine("fp16")
+    _train(amp, 1)
+    amp.scaler.update(1024.0)
+    amp.save_state(tmp_path)
+    fresh, _ = _engine("fp16")
+    assert fresh.load_state(tmp_path)
+    assert fresh.scaler.get_scale() == amp.scaler.get_scale()
+
+
+# ---------------------------------------------------------------- types at the front door
+def test_setup_checks_what_it_is_given() -> None:
+    model = _model()
+    other = _model()
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        DistAMP("fp16", device="cpu").setup("my model", lambda p: torch.optim.SGD(p, lr=0.1))
+    with pytest.raises(TypeError, match="Optimizer or a factory"):
+        DistAMP("fp16", device="cpu").setup(model, None)
+    with pytest.raises(ValueError, match="not a parameter"):
+        DistAMP("fp16", device="cpu").setup(model, torch.optim.SGD(other.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"must return a torch\.optim\.Optimizer"):
+        DistAMP("fp16", device="cpu").setup(model, lambda params: "sgd")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stray = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(other.parameters(), lr=0.1), 1)
+    with pytest.raises(ValueError, match="drives another optimizer"):
+        DistAMP("fp16", device="cpu").setup(model, opt, stray)
+    with pytest.raises(TypeError, match="LR scheduler"):
+        DistAMP("fp16", device="cpu").setup(model, opt, 3)
+
+
+def test_flags_are_booleans_and_numbers_are_taken_as_torch_takes_them() -> None:
+    with pytest.raises(TypeError, match="trace_nonfinite"):
+        DistAMP("fp16", trace_nonfinite="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="trust_ddp_sync"):
+        DistAMP("fp16", trust_ddp_sync=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="numerics_interval"):
+        DistAMP("fp16", numerics_interval=0)
+    assert DistAMP("fp16", numerics_interval=np.int64(5)).config.numerics_interval == 5
+
+
+def test_a_scaler_for_a_missing_device_is_refused_with_the_fix() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    with pytest.warns(UserWarning):
+        cuda = DistributedGradScaler("cuda")  # torch disables it, with a warning
+    model = _model()
+    amp = DistAMP("fp16", device="cpu", scaler=cuda)
+    with pytest.raises(ValueError, match=r"DistributedGradScaler\('cpu'"):
+        amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    disabled = DistributedGradScaler("cpu", enabled=False)
+    amp = DistAMP("fp16", device="cpu", scaler=disabled)
+    with pytest.raises(ValueError, match="needs loss scaling"):
+        amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+# ---------------------------------------------------------------- ranks agree on settings
+_MISMATCHES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
+    "precision": ({"precision": "fp16"}, {"precision": "bf16"}, "precision"),
+    "init_scale": ({"init_scale": 2.0**16}, {"init_scale": 2.0**10}, "scaler.scale"),
+    "max_grad_norm": ({"max_grad_norm": 1.0}, {}, "max_grad_norm"),
+    "grad_accum": ({"grad_accum_steps": 2}, {"grad_accum_steps": 1}, "grad_accum_steps"),
+    "strategy": ({"strategy": "ddp"}, {"strategy": "fsdp2"}, "strategy"),
+    "policy": ({"policy": "default"}, {}, "policy"),
+}
+
+
+def _mismatched_rank(rank: int, world: int) -> dict[str, str]:
+    from distamp.cluster import init_distributed, shutdown_distributed
+
+    init_distributed(timeout=60)  # one group for every case: the engines do not own it
+    messages = {}
+    for case, sides in _MISMATCHES.items():
+        mine = dict(sides[rank])
+        init_scale = mine.pop("init_scale", None)
+        precision = mine.pop("precision", "fp16")
+        if init_scale is not None:
+            mine["scaler"] = DistributedGradScaler("cpu", init_scale=init_scale)
+        amp = DistAMP(precision, device="cpu", timeout=60, **mine)
+        try:
+            amp.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+            messages[case] = "no error"
+        except SettingsMismatchError as exc:
+            messages[case] = str(exc)
+    shutdown_distributed()
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_ranks_built_differently_fail_at_setup_naming_the_field() -> None:
+    per_rank = run_ranks(_mismatched_rank, 2, timeout=90)
+    for case, (_, _, field) in _MISMATCHES.items():
+        messages = [m[case] for m in per_rank]
+        for message in messages:
+            assert f"{field}:" in message, (case, message)
+            assert "ranks 0" in message and "ranks 1" in message, (case, message)
+        assert messages[0] == messages[1]
+
+
+def _agreeing_rank(rank: int, world: int) -> int:
+    from distamp.cluster.agreement import agree_settings
+
+    agree_settings({"a": 1, "b": (2, "x")}, what="test")  # equal: no error
+    return 0
+
+
+@pytest.mark.timeout(60)
+def test_equal_settings_pass() -> None:
+    assert run_ranks(_agreeing_rank, 2, timeout=45) == [0, 0]
