@@ -5,7 +5,8 @@ The launcher -> command mapping (:func:`build_command`) and the ``auto`` rule
 
 Every bad argument is an argparse usage error (exit code 2, the argument, the value and what is
 allowed) found before anything starts: :func:`int_arg` and :func:`real_arg` are the argument
-types, shared with ``launch/train.py``.
+types, shared with ``launch/train.py``. Running the job (signals passed on, exit codes, no
+process left behind) is :mod:`distamp.cluster.supervise`'s.
 """
 
 from __future__ import annotations
@@ -18,10 +19,7 @@ import os
 import re
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
-import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -29,6 +27,7 @@ from typing import Any
 
 from distamp.arguments import INT32_MAX  # process counts and ranks end up in torch int32 args
 from distamp.cluster import detect_environment, free_port
+from distamp.cluster.supervise import GRACE_S, run_command, run_torchrun
 
 __all__ = [
     "LaunchSpec",
@@ -41,6 +40,7 @@ __all__ = [
 ]
 
 LAUNCHER_CHOICES = ("auto", "torchrun", "mpirun", "srun", "single")
+TORCHRUN = ("-m", "torch.distributed.run")  # after the Python executable: how torchrun is started
 
 
 def int_arg(low: int, high: int = INT32_MAX) -> Callable[[str], int]:
@@ -136,7 +136,7 @@ def build_command(spec: LaunchSpec) -> list[str]:
     program = [spec.python, spec.script, *spec.script_args]
     host, _, port = (spec.rdzv_endpoint or "").rpartition(":")
     if spec.launcher == "torchrun":
-        cmd = [spec.python, "-m", "torch.distributed.run", "--nnodes", str(spec.nnodes)]
+        cmd = [spec.python, *TORCHRUN, "--nnodes", str(spec.nnodes)]
         if spec.rdzv_endpoint is None and spec.nnodes == 1:
             cmd += ["--standalone"]  # a private rendezvous on a free local port
         elif spec.rdzv_endpoint is None:
@@ -171,35 +171,6 @@ def build_command(spec: LaunchSpec) -> list[str]:
             raise ValueError("--launcher single starts one process: drop --nnodes/--nproc-per-node")
         return program
     raise ValueError(f"launcher {spec.launcher!r} is not one of {', '.join(LAUNCHER_CHOICES[1:])}")
-
-
-def _run(cmd: list[str]) -> int:
-    """Run ``cmd``, forwarding SIGINT/SIGTERM, and return its exit code (128+N when killed by N)."""
-    proc = subprocess.Popen(cmd)
-
-    def forward(signum: int, _frame: object) -> None:
-        # Ctrl-C in a terminal already reached the child (same foreground process group); sending it
-        # twice would interrupt torchrun's own cleanup of its workers.
-        if signum == signal.SIGINT and _terminal_foreground():
-            return
-        proc.send_signal(signum)
-
-    handled = (signal.SIGINT, signal.SIGTERM)
-    in_main = threading.current_thread() is threading.main_thread()  # signal() works only there
-    previous = {s: signal.signal(s, forward) for s in handled} if in_main else {}
-    try:
-        code = proc.wait()
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-    return 128 - code if code < 0 else code
-
-
-def _terminal_foreground() -> bool:
-    try:
-        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
-    except (OSError, ValueError, AttributeError):  # no terminal, closed or replaced stdin
-        return False
 
 
 def _version(dist: str) -> str | None:
@@ -301,6 +272,13 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--rdzv-endpoint", type=_endpoint, default=None, metavar="HOST:PORT")
     launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     launch.add_argument(
+        "--grace-period",
+        type=real_arg(0.0),
+        default=GRACE_S,
+        metavar="S",
+        help=f"seconds the job has to end after SIGTERM/SIGINT before SIGKILL ({GRACE_S:g})",
+    )
+    launch.add_argument(
         "--sbatch",
         action="store_true",
         help="print a SLURM batch script for --launcher torchrun|srun|mpirun, run nothing",
@@ -380,7 +358,10 @@ def _launch(args: argparse.Namespace) -> int:
         print(shlex.join(cmd))
         return 0
     try:
-        return _run(cmd)
+        if launcher == "torchrun":
+            # In this process, not as a child: see distamp.cluster.supervise for why.
+            return run_torchrun(cmd[1 + len(TORCHRUN) :], grace_s=args.grace_period)
+        return run_command(cmd, grace_s=args.grace_period)
     except FileNotFoundError:
         print(f"distamp launch: error: {cmd[0]!r} is not on PATH", file=sys.stderr)
         return 127
