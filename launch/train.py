@@ -18,6 +18,8 @@ which is why the default step count is modest.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -25,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -45,6 +47,8 @@ from distamp.cli import int_arg, real_arg
 from distamp.parallel.strategies import STRATEGIES
 from distamp.precision.fp8_select import FP8_RECIPES
 from launch.model import DATA_FILE, GPT, GPTConfig, ShardedText, lm_loss, load_text
+
+QUIET_RANK_WAIT_S = 20.0  # the longest a rank waits for local rank 0 to report a usage error
 
 
 def _precision(text: str) -> str:
@@ -93,20 +97,45 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="name the first module whose forward output overflowed in skip reports",
     )
-    args = p.parse_args(argv)
-    if args.resume and args.out is None:
-        p.error("argument --resume: needs --out DIR (where the checkpoints are)")
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        p.error(f"argument --out: {str(args.out)!r} exists and is not a directory")
-    if args.stop_at is not None and args.stop_at > args.steps:
-        p.error(f"argument --stop-at: expected a step in [1, --steps={args.steps}], "
-                f"got {args.stop_at}")  # fmt: skip
     try:
-        world = detect_environment().world_size  # pure: reads the launcher's variables
-    except ValueError as exc:
-        p.error(f"launcher environment: {exc}")
-    _check_data(p, args.data, args.batch_size * world + GPTConfig().context + 1)
+        local_rank: int | None = detect_environment().local_rank
+    except ValueError:
+        local_rank = None  # a usage error below, printed by every rank
+    with _one_voice_per_node(local_rank):
+        args = p.parse_args(argv)
+        if args.resume and args.out is None:
+            p.error("argument --resume: needs --out DIR (where the checkpoints are)")
+        if args.out is not None and args.out.exists() and not args.out.is_dir():
+            p.error(f"argument --out: {str(args.out)!r} exists and is not a directory")
+        if args.stop_at is not None and args.stop_at > args.steps:
+            p.error(f"argument --stop-at: expected a step in [1, --steps={args.steps}], "
+                    f"got {args.stop_at}")  # fmt: skip
+        try:
+            world = detect_environment().world_size  # pure: reads the launcher's variables
+        except ValueError as exc:
+            p.error(f"launcher environment: {exc}")
+        _check_data(p, args.data, args.batch_size * world + GPTConfig().context + 1)
     return args
+
+
+@contextlib.contextmanager
+def _one_voice_per_node(local_rank: int | None) -> Iterator[None]:
+    """Argparse's output (usage errors, --help) from local rank 0 alone (or from every rank when
+    the rank is unknown). The ranks of a node parse the same arguments against the same files,
+    so the others would print the same message again, once per rank."""
+    if not local_rank:
+        yield
+        return
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    except SystemExit as exc:
+        if exc.code:
+            # Exiting at once could let the launcher stop local rank 0 before it has printed
+            # (torchrun ends the other ranks at the first failure it sees). Normally the launcher
+            # ends this rank as soon as local rank 0 has exited with the same error.
+            time.sleep(QUIET_RANK_WAIT_S)
+        raise
 
 
 def _check_data(p: argparse.ArgumentParser, path: Path, needed: int) -> None:
