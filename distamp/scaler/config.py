@@ -14,8 +14,11 @@ field                      accepted                              why
 ``growth_interval``        integer in [1, 2**31 - 1]             the tracker counting to it is
                                                                  int32
 ``hysteresis``             integer in [1, 2**31 - 1]             its tracker is int32
-``_growth_tracker``        integer in [0, 2**31 - 2]             int32 (torch's dtype), +1 a step
-``_hysteresis_tracker``    integer in [0, 2**31 - 1]             int32
+``_growth_tracker``        integer in [0, growth_interval - 1]   int32 (torch's dtype), +1 a step;
+                                                                 grows the scale on reaching
+                                                                 the interval, never past it
+``_hysteresis_tracker``    integer in [0, hysteresis]            int32, counts down from and is
+                                                                 refilled to ``hysteresis``
 ``skipped_steps``          integer in [0, 2**63 - 1]             int64
 =========================  ====================================  ===============================
 
@@ -24,7 +27,9 @@ field                      accepted                              why
 tensor, a larger one to inf. Numbers are accepted as torch accepts them: any ``numbers.Real``
 (``numbers.Integral`` for the integer fields), numpy scalars and 0-d tensors included, ``bool``
 refused; they are stored as plain Python ``float``/``int`` so that ``state_dict()`` loads with
-``torch.load(weights_only=True)``.
+``torch.load(weights_only=True)``. torch's setters (``set_growth_factor``, ``set_backoff_factor``,
+``set_growth_interval``) are held to the constructor's ranges (:func:`check_growth_factor` and
+the like), and a state_dict's trackers to the settings they count towards.
 """
 
 from __future__ import annotations
@@ -43,7 +48,10 @@ __all__ = [
     "SCALE_MIN",
     "as_integer",
     "as_real",
+    "check_backoff_factor",
     "check_device",
+    "check_growth_factor",
+    "check_growth_interval",
     "check_new_scale",
     "check_scaler_args",
     "validate_state_dict",
@@ -85,17 +93,28 @@ def _in_state(key: str) -> str:
     return f"state_dict['{key}']"
 
 
+def _growth_in_range(name: str, g: float, given: Any) -> float:
+    if not 1.0 < g <= SCALE_MAX:
+        raise ValueError(
+            f"`{name}` must be > 1 and <= {SCALE_MAX:.8g} (a larger factor overflows float32 "
+            f"at every growth), got {given!r}"
+        )
+    return g
+
+
+def _backoff_in_range(name: str, b: float, given: Any) -> float:
+    if not 0.0 < b < 1.0:
+        raise ValueError(f"`{name}` must be in (0, 1), got {given!r}")
+    return b
+
+
 def _factors(growth: Any, backoff: Any, name: Callable[[str], str]) -> tuple[float, float]:
     gname, bname = name("growth_factor"), name("backoff_factor")
     g, b = as_real(gname, growth), as_real(bname, backoff)
-    if not 1.0 < g <= SCALE_MAX:
-        raise ValueError(
-            f"`{gname}` must be > 1 and <= {SCALE_MAX:.8g} (a larger factor overflows float32 "
-            f"at every growth), got {growth!r}"
-        )
-    if not 0.0 < b < 1.0:
-        raise ValueError(f"`{bname}` must be in (0, 1), got {backoff!r}")
-    return g, b
+    return _growth_in_range(gname, g, growth), _backoff_in_range(bname, b, backoff)
+
+
+_INTERVAL_WHY = "counted in int32"
 
 
 def _bounds(low: Any, high: Any, name: Callable[[str], str]) -> tuple[float | None, float | None]:
@@ -155,7 +174,7 @@ def check_scaler_args(
             raise ValueError(f"`{name}` must be a bool, got {flag!r}")
     scale = _scale_value("init_scale", init_scale)
     growth, backoff = _factors(growth_factor, backoff_factor, _plain)
-    interval = _int_value("growth_interval", growth_interval, 1, INT32_MAX, "counted in int32")
+    interval = _int_value("growth_interval", growth_interval, 1, INT32_MAX, _INTERVAL_WHY)
     _int_value("hysteresis", hysteresis, 1, INT32_MAX, "its tracker is int32")
     low, high = _bounds(min_scale, max_scale, _plain)
     _scale_between(scale, low, high, _plain, "init_scale")
@@ -222,13 +241,64 @@ def validate_state_dict(
         sd["growth_factor"], sd["backoff_factor"], _in_state
     )
     for name, low, high, why in (
-        ("growth_interval", 1, INT32_MAX, "counted in int32"),
+        ("growth_interval", 1, INT32_MAX, _INTERVAL_WHY),
         ("_growth_tracker", 0, INT32_MAX - 1, "int32, incremented at each update"),
         ("hysteresis", 1, INT32_MAX, "its tracker is int32"),
         ("_hysteresis_tracker", 0, INT32_MAX, "int32"),
         ("skipped_steps", 0, INT64_MAX, "int64"),
     ):
         sd[name] = _int_value(_in_state(name), sd[name], low, high, why)
+    _trackers_within(sd)
     sd["min_scale"], sd["max_scale"] = _bounds(sd["min_scale"], sd["max_scale"], _in_state)
     _scale_between(sd["scale"], sd["min_scale"], sd["max_scale"], _in_state, "scale")
     return sd
+
+
+def _trackers_within(sd: dict[str, Any]) -> None:
+    """Each tracker against the setting it counts towards, in a state whose fields are each in
+    range already.
+
+    The growth tracker counts clean steps since the last growth or backoff, and torch's
+    ``_amp_update_scale_`` grows the scale when ``tracker + 1`` *equals* ``growth_interval`` (the
+    CPU path in :mod:`distamp.scaler.scale_update` runs that very kernel): a tracker at or past
+    the interval never equals it again, so the scale would never grow again (until the int32
+    counter wrapped around, 2**31 steps later). The hysteresis tracker counts down from
+    ``hysteresis`` and is refilled to it: a larger value would tolerate more overflows than
+    configured before backing off.
+    """
+    tracker, interval = sd["_growth_tracker"], sd["growth_interval"]
+    if tracker >= interval:
+        raise ValueError(
+            f"`{_in_state('_growth_tracker')}`={tracker!r} must be < "
+            f"`{_in_state('growth_interval')}`={interval!r}: the scale grows when the tracker "
+            "reaches the interval and would never grow again (a consistent state has "
+            "0 <= _growth_tracker < growth_interval; set the tracker to 0 to restart the count)"
+        )
+    left, hysteresis = sd["_hysteresis_tracker"], sd["hysteresis"]
+    if left > hysteresis:
+        raise ValueError(
+            f"`{_in_state('_hysteresis_tracker')}`={left!r} must be <= "
+            f"`{_in_state('hysteresis')}`={hysteresis!r}: it counts the overflows still "
+            "tolerated and is refilled to `hysteresis` (set it to `hysteresis` to refill it)"
+        )
+
+
+def check_growth_factor(new_factor: Any) -> float:
+    """Check ``set_growth_factor(new_factor)`` as the constructor checks ``growth_factor``: a
+    factor <= 1 would shrink or freeze the scale on clean steps, one past float32's max would
+    overflow at every growth. Returns it as a plain float (``ValueError`` otherwise)."""
+    return _growth_in_range("new_factor", as_real("new_factor", new_factor), new_factor)
+
+
+def check_backoff_factor(new_factor: Any) -> float:
+    """Check ``set_backoff_factor(new_factor)`` as the constructor checks ``backoff_factor``: a
+    factor >= 1 would keep or grow the scale on overflows (up to inf), one <= 0 would zero it.
+    Returns it as a plain float (``ValueError`` otherwise)."""
+    return _backoff_in_range("new_factor", as_real("new_factor", new_factor), new_factor)
+
+
+def check_growth_interval(new_interval: Any) -> int:
+    """Check ``set_growth_interval(new_interval)`` as the constructor checks
+    ``growth_interval``: an integer in [1, 2**31 - 1] (0 or less would never grow the scale,
+    more than int32 holds is never reached by the int32 tracker). Returns a plain int."""
+    return _int_value("new_interval", new_interval, 1, INT32_MAX, _INTERVAL_WHY)

@@ -38,12 +38,13 @@ from distamp.scaler.records import (
 from distamp.scaler.reporting import ScalerReporting
 from distamp.scaler.scale_state import ScaleState, ScaleUnderflowError
 from distamp.scaler.scale_update import RuleCache, ScaleRule, update_scale_
+from distamp.scaler.settings import ScalerSettings
 from distamp.scaler.sync_free import fused_step, grad_scaler_step, masked_step, takes_grad_scaler
 
 __all__ = ["DistributedGradScaler", "OptimizerStep", "ScaleUnderflowError", "ScalerStateError"]
 
 
-class DistributedGradScaler(ScalerReporting):
+class DistributedGradScaler(ScalerSettings, ScalerReporting):
     """Drop-in for :class:`torch.amp.GradScaler` that never lets ranks disagree on a skip.
 
     The canonical loop is torch's, unchanged::
