@@ -120,7 +120,7 @@ def test_misuse_is_reported() -> None:
     with pytest.raises(RuntimeError, match="before scale"):
         scaler.clip_grad_norm_(opt, 1.0)
     scaler.scale(model(torch.randn(2, 8)).sum()).backward()
-    for bad in (0.0, -1.0, INF, True, "1"):
+    for bad in (0.0, -1.0, float("nan"), -INF, True, "1"):  # +inf: the norm only
         with pytest.raises(ValueError, match="max_norm"):
             scaler.clip_grad_norm_(opt, bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="norm_type"):

@@ -19,6 +19,7 @@ every weight is 1.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,18 +47,42 @@ EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: keeps the coefficient finite fo
 
 
 def check_clip_args(max_norm: Any, norm_type: Any) -> tuple[float, float]:
-    """Validate ``max_norm`` (finite, > 0) and ``norm_type`` (>= 1 or inf); return floats."""
+    """Validate ``max_norm`` (> 0, ``math.inf`` included) and ``norm_type`` (>= 1 or inf);
+    return floats.
+
+    ``max_norm=math.inf`` is torch's way to measure without clipping (``clip_grad_norm_`` then
+    multiplies by ``min(1, inf) = 1``; the Hugging Face Trainer relies on it): accepted, the norm
+    is returned and nothing is clipped. Refused although torch takes them: ``0``, with which
+    torch zeroes every gradient (the step then applies only weight decay and momentum), a
+    negative value, with which torch flips the gradients' sign (a step uphill), and NaN, with
+    which torch makes every gradient NaN; each is a bug or an "off" switch, and ``inf`` is the
+    off switch that keeps the norm.
+    """
     # Numbers as torch takes them (numpy scalars, 0-d tensors); Python floats as they are, so
     # that inf and nan reach the range checks below and their messages.
     if not isinstance(norm_type, float):
         norm_type = as_real("norm_type", norm_type)
     if not isinstance(max_norm, float):
-        max_norm = as_real("max_norm", max_norm)
-    if not (math.isfinite(max_norm) and max_norm > 0):
-        raise ValueError(f"`max_norm` must be a finite number > 0, got {max_norm!r}")
+        max_norm = _real_or_inf("max_norm", max_norm)
+    if not max_norm > 0:  # NaN fails this too
+        raise ValueError(
+            f"`max_norm` must be a number > 0 (math.inf: measure the norm without clipping), "
+            f"got {max_norm!r}"
+        )
     if not (norm_type >= 1 or norm_type == math.inf) or math.isnan(norm_type):
         raise ValueError(f"`norm_type` must be >= 1 or math.inf, got {norm_type!r}")
     return float(max_norm), float(norm_type)
+
+
+def _real_or_inf(name: str, value: Any) -> float:
+    """``value`` as a float, like :func:`distamp.arguments.as_real` but letting +-inf and NaN
+    through (numpy and 0-d tensor infinities included) to the range checks."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point():
+        value = value.item()  # host sync on a device (as_real's too): an argument, read once
+    inexact = isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
+    if inexact and not math.isfinite(float(value)):
+        return float(value)
+    return as_real(name, value)
 
 
 SPARSE_CLIP = (
@@ -275,17 +300,18 @@ def clip_step_grads_(
     )
     op = "max" if norm_type == float("inf") else "sum"
     norm = total_norm(steps.reduce_pending(term, op, reducer), norm_type)  # type: ignore[arg-type]
+    clips = max_norm != math.inf  # inf: the norm only (torch multiplies by 1), no clip pass
     if scale is not None:  # a skipped step keeps inf as inf (not inf * 0 = nan) for the report
-        divisor = clip_divisor(norm, max_norm)
+        divisor = clip_divisor(norm, max_norm) if clips else torch.ones_like(norm)
         if deferred and fused:
             record.grad_scale = scale * divisor  # the fused step divides by it
         elif deferred:
-            scale_grads_(groups, inv_scale / divisor)
+            scale_grads_(groups, inv_scale / divisor)  # the unscale pass, clipped or not
         elif fused:
             record.grad_scale = divisor  # gradients already unscaled
-        else:
+        elif clips:
             scale_grads_(groups, divisor.reciprocal())
-    else:
+    elif clips:
         scale_grads_(groups, clip_coefficient(norm, max_norm))
     if deferred:
         record.stage = OptState.UNSCALED

@@ -356,6 +356,8 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
         FSDP2/HSDP/TP/expert DTensors, pipeline stages), so every rank of every stage clips with
         the same coefficient. Other ``norm_type`` values unscale first, then reduce likewise.
         With the scaler disabled it clips (bf16/fp32 training) with the same one collective.
+        ``max_norm=math.inf`` measures without clipping (as torch, which the Hugging Face Trainer
+        uses to turn clipping off); 0, negative and NaN raise ``ValueError`` (see check_clip_args).
 
         Returns:
             The total norm of the unscaled gradients before clipping, a 0-dim float32 tensor
