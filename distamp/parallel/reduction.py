@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 __all__ = ["ExternalGroup", "FlagReducer", "GroupSpec", "Rider", "reduce_flags", "ride_along"]
 
-GroupSpec = Any  # ProcessGroup | DeviceMesh | None; torch types kept loose for older releases
+GroupSpec = Any  # ProcessGroup (or alike) | DeviceMesh | torchft Manager | None; kept loose
 
 
 class ExternalGroup:
@@ -38,12 +38,15 @@ class FlagReducer:
     ``groups`` is empty when there is nothing to agree with (no process group, world of one).
     A partial N-D mesh is reduced dimension by dimension: MAX is associative, so the result is the
     mesh-wide maximum; it is the only case that costs more than one collective. ``ranks`` are the
-    global ranks reached, ``None`` meaning every rank of the job.
+    global ranks reached, ``None`` meaning every rank of the job. ``span`` is how many ranks a
+    group reaches whose global ranks ``torch.distributed`` cannot name (an object that only
+    behaves like a process group, as torch's own FSDP tests pass one); ``None`` otherwise.
     """
 
     groups: tuple[Any, ...]
     backend: str | None
     ranks: frozenset[int] | None = None
+    span: int | None = None
 
     @property
     def is_noop(self) -> bool:
@@ -60,6 +63,8 @@ class FlagReducer:
         """How many ranks the reduction spans (1 for a no-op)."""
         if self.is_noop:
             return 1
+        if self.span is not None:
+            return self.span
         if self.ranks is not None:
             return len(self.ranks)
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.arguments import integer_or_none
 from distamp.cluster import is_distributed
 from distamp.parallel.reduction import FlagReducer, GroupSpec
 from distamp.parallel.replicas import ManagerGroup, is_ft_manager
@@ -52,6 +53,7 @@ __all__ = [
     "grad_device",
     "is_dtensor",
     "is_distributed",  # re-exported from distamp.cluster, where it is defined
+    "is_group_like",
     "is_pipeline_stage",
     "local_grad",
     "optimizer_params",
@@ -117,7 +119,8 @@ def agreement_group(process_group: GroupSpec) -> FlagReducer:
     """The ranks whose flags must agree, as a :class:`FlagReducer`.
 
     ``None``: the whole job (one collective over the default group); a no-op without a process
-    group or with a world of one. A ``DeviceMesh`` or ``ProcessGroup``: those ranks only.
+    group or with a world of one. A ``DeviceMesh`` or ``ProcessGroup``: those ranks only; an
+    object that only behaves like a group: see :func:`_group_like_reducer`.
     """
     if not is_distributed():
         return _NOOP
@@ -128,12 +131,58 @@ def agreement_group(process_group: GroupSpec) -> FlagReducer:
     mesh_type = _device_mesh_type()
     if mesh_type is not None and isinstance(process_group, mesh_type):
         return _mesh_reducer(process_group)
+    if not isinstance(process_group, dist.ProcessGroup):
+        return _group_like_reducer(process_group)
     if dist.get_world_size(process_group) == 1:
         return _NOOP
     ranks = frozenset(dist.get_process_group_ranks(process_group))
     if len(ranks) == dist.get_world_size():
         return FlagReducer((process_group,), dist.get_backend(process_group), None)
     return FlagReducer((process_group,), dist.get_backend(process_group), ranks)
+
+
+def is_group_like(obj: Any) -> bool:
+    """Whether ``obj`` behaves like a torch process group: callable ``rank()`` and ``size()``.
+
+    torch's scalers never check a group's type (``ShardedGradScaler`` hands whatever it is given
+    to ``dist.all_reduce``, and torch's FSDP tests pass a stand-in class with just these
+    methods), so neither does distamp: a real ``ProcessGroup`` qualifies, and so does a wrapper or
+    a test double. What cannot be a group (a number, a string, a list) does not.
+    """
+    return callable(getattr(obj, "rank", None)) and callable(getattr(obj, "size", None))
+
+
+def _group_like_size(group: Any) -> int:
+    """The size of a process-group-like object, checked where the scaler is built: an int >= 1,
+    and above 1 an ``allreduce`` to agree through (``TypeError`` otherwise)."""
+    given = group.size()
+    size = integer_or_none(given)
+    if size is None or size < 1:
+        raise TypeError(
+            f"process_group={group!r}: size() returned {given!r}; a process group's size() is "
+            "the number of its ranks, an int >= 1"
+        )
+    if size > 1 and not callable(getattr(group, "allreduce", None)):
+        raise TypeError(
+            f"process_group={group!r} ({type(group).__name__}) spans {size} ranks but has no "
+            "allreduce() to agree over them: pass a torch.distributed ProcessGroup (e.g. from "
+            "dist.new_group) or a DeviceMesh"
+        )
+    return size
+
+
+def _group_like_reducer(group: Any) -> FlagReducer:
+    """A process-group-like object torch.distributed does not know (see :func:`is_group_like`).
+
+    Of size 1 it has no one to agree with: a no-op, as for a real group. Larger, it is used as
+    ``ShardedGradScaler`` uses it, through ``dist.all_reduce(..., group=group)``, which calls its
+    ``allreduce``; whatever that does (a test double may do nothing) is the agreement. Its global
+    ranks are unknown, so a norm counts its parameters as replicated on each of its ranks.
+    """
+    size = _group_like_size(group)
+    if size == 1:
+        return _NOOP
+    return FlagReducer((group,), None, None, span=size)
 
 
 def check_group_spec(process_group: GroupSpec) -> None:
@@ -145,10 +194,14 @@ def check_group_spec(process_group: GroupSpec) -> None:
         mesh_type is not None and isinstance(process_group, mesh_type)
     ):
         return
+    if is_group_like(process_group):
+        _group_like_size(process_group)
+        return
     raise TypeError(
         f"process_group={process_group!r} ({type(process_group).__name__}) is not supported: "
-        "pass None (every rank of the job), a torch.distributed ProcessGroup, a DeviceMesh, or "
-        "a torchft.Manager (fault-tolerant replica groups)."
+        "pass None (every rank of the job), a torch.distributed ProcessGroup (or an object with "
+        "its rank() and size() methods), a DeviceMesh, or a torchft.Manager (fault-tolerant "
+        "replica groups)."
     )
 
 
@@ -350,6 +403,8 @@ class Topology:
         reducer = self.agreement
         if reducer.is_noop:
             return 1
+        if reducer.span is not None:  # a group-like object: its ranks cannot be told apart
+            return reducer.span
         agreeing = reducer.ranks
         if is_dtensor(param):
             return _dtensor_copies(param, agreeing)

@@ -73,7 +73,9 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
             one collective over the default group, whatever meshes the parameters live on (data,
             tensor, pipeline and expert parallelism alike). A ``ProcessGroup`` or ``DeviceMesh``
             narrows it: right only when those ranks train a model of their own, independent of
-            the other ranks of the job. A ``torchft.Manager``: fault-tolerant replica groups
+            the other ranks of the job, as does any object with a process group's ``rank()``
+            and ``size()`` (torch's duck typing: :func:`distamp.parallel.topology.is_group_like`).
+            A ``torchft.Manager``: fault-tolerant replica groups
             (:mod:`distamp.parallel.replicas`). Anything else: ``TypeError``.
         sync_free: ``step()`` never waits for the device: the skip is decided on device, through
             the optimizer's ``found_inf`` argument (fused optimizers) or a masked update.
@@ -277,10 +279,11 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
         optimizer: torch.optim.Optimizer,
         inv_scale: torch.Tensor | None,
         found_inf: torch.Tensor,
-        allow_fp16: bool,
+        allow_fp16: bool = True,
     ) -> dict[torch.device, torch.Tensor]:
         """torch's hook: unscale (``inv_scale`` None: only check) the optimizer's gradients in
-        one pass per group (see check_groups_); returns the local flags per device."""
+        one pass per group (see check_groups_); returns the local flags per device.
+        ``allow_fp16`` defaults to True as in ``ShardedGradScaler``, whose callers omit it."""
         plan = self._steps.plans.for_optimizer(optimizer)
         with torch.no_grad():
             groups = plan.groups(allow_fp16=allow_fp16, by_factor=inv_scale is not None)
