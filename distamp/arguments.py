@@ -16,7 +16,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["INT32_MAX", "INT64_MAX", "as_integer", "as_real", "integer_or_none"]
+__all__ = [
+    "INT32_MAX",
+    "INT64_MAX",
+    "ArgumentTypeError",
+    "as_bool",
+    "as_integer",
+    "as_real",
+    "integer_or_none",
+]
 
 INT32_MAX = 2**31 - 1
 """The largest value an int32 counter (torch's growth tracker, process counts) can hold."""
@@ -73,3 +81,26 @@ def integer_or_none(value: Any) -> int | None:
         return as_integer("value", value)
     except ValueError:
         return None
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """A value of the wrong kind for its argument (a string where a sequence of patterns is
+    expected, ``"no"`` for a flag). A ``TypeError``, as Python and torch raise for a wrong kind;
+    a ``ValueError`` too, because distamp refused such values with ``ValueError`` before, and
+    callers that catch that must keep working."""
+
+
+def as_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a ``bool``; ``ArgumentTypeError`` naming ``name`` otherwise.
+
+    Strict, as ``torch.autocast(enabled=...)`` is (it refuses ``numpy.bool_``, 0-d tensors and
+    ints): a flag given ``"no"`` or ``0`` would otherwise be read by its truth value, and
+    ``"no"`` is true."""
+    if not isinstance(value, bool):
+        kind = type(value)
+        where = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+        raise ArgumentTypeError(
+            f"`{name}` must be True or False, got {value!r} ({where}{kind.__qualname__}); "
+            "pass bool(...) if it is a numpy or tensor flag"
+        )
+    return value
