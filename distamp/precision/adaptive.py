@@ -38,9 +38,13 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from distamp.arguments import INT32_MAX, ArgumentTypeError
 from distamp.observe.numerics import NumericStats
 from distamp.precision.casts import to_fp32
 from distamp.precision.fp8_parallel import gathers_in_float8, is_float8_linear
+from distamp.precision.patterns import check_module_patterns
+from distamp.precision.settings import Fields
+from distamp.precision.state_checks import check_adaptive_state
 
 __all__ = ["AdaptivePrecision", "AdaptiveRules", "PrecisionChange", "refuse_outside_engine"]
 
@@ -48,32 +52,40 @@ _ADAPTABLE = ("fp16", "bf16", "fp8")
 _WIDER = {"fp8": "bf16", "fp16": "fp32", "bf16": "fp32"}
 
 
-def _whole(name: str, value: Any, least: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise ValueError(f"AdaptiveRules.{name}={value!r}: give a whole number >= {least}")
-
-
 @dataclass(frozen=True, kw_only=True)
 class AdaptiveRules:
     """Settings of adaptive precision (``AutocastPolicy(..., adaptive=AdaptiveRules(...))``).
 
+    Every field is checked here, at construction (:mod:`distamp.precision.settings`): a wrong
+    kind is an ``ArgumentTypeError`` (a ``TypeError`` and a ``ValueError``), a value out of range
+    a ``ValueError``, both naming the field. Numbers are taken as torch takes them (numpy
+    scalars, 0-d tensors; never ``bool``) and stored as plain Python numbers.
+
     Attributes:
-        interval: steps between the monitor's reports, where the rules run (default 10).
-        window: W, how many of the most recent skipped steps are considered (default 8).
-        skips: K, promote a module blamed for this many of them (default 2).
-        headroom_limit: promote a module whose headroom exceeds this (default 0.5: within 2x
-            of the format's maximum) ...
-        patience: ... on this many reports in a row (default 2).
-        demote: allow demotion back to the low-precision format (default False).
-        demote_below: headroom under which a promoted module is calm (default 0.05); must be
-            below ``headroom_limit`` (the gap is the hysteresis).
-        calm_reports: calm reports in a row before demotion (default 10).
+        interval: steps between the monitor's reports, where the rules run; in
+            ``[1, 2**31 - 1]`` (default 10).
+        window: W, how many of the most recent skipped steps are considered; in
+            ``[1, 2**31 - 1]`` (default 8).
+        skips: K, promote a module blamed for this many of them; in ``[1, window]`` (default 2:
+            a module cannot cause more skips than the window holds).
+        headroom_limit: promote a module whose headroom (max ``|output|`` / format max)
+            exceeds this, in ``(0, 1]`` (default 0.5: within 2x of the format's maximum; a
+            finite low-precision output has headroom <= 1, so 1 switches the rule off) ...
+        patience: ... on this many reports in a row; in ``[1, 2**31 - 1]`` (default 2).
+        demote: allow demotion back to the low-precision format; a ``bool`` (default False).
+        demote_below: headroom under which a promoted module is calm, in
+            ``[0, headroom_limit)`` (default 0.05; the gap is the hysteresis).
+        calm_reports: calm reports in a row before demotion; in ``[1, 2**31 - 1]`` (default 10).
         max_promoted_fraction: the most of the model's parameters that may be promoted, in
-            (0, 1] (default 0.25).
-        watch: module name patterns to watch; ``None``: every module with parameters.
+            ``(0, 1]`` (default 0.25).
+        watch: module name patterns (``fnmatch`` on qualified names) to watch, a non-empty
+            sequence of non-empty strings (stored as a tuple; one string is refused); each must
+            match a module of the model it meets (:mod:`distamp.precision.patterns`).
+            ``None`` (default): every module with parameters.
         fp8_flush_limit: precision "fp8" only: promote a float8 layer to bf16 when more than
             this fraction of its nonzero inputs flush to zero in e4m3, ``patience`` reports in
-            a row; in (0, 1] (default 0.1; a well-scaled layer flushes about 1e-5).
+            a row; in ``(0, 1]`` (default 0.1; a well-scaled layer flushes about 1e-5; 1
+            switches the rule off).
     """
 
     interval: int = 10
@@ -89,36 +101,20 @@ class AdaptiveRules:
     fp8_flush_limit: float = 0.1
 
     def __post_init__(self) -> None:
-        _whole("interval", self.interval, 1)
-        _whole("window", self.window, 1)
-        _whole("skips", self.skips, 1)
-        _whole("patience", self.patience, 1)
-        _whole("calm_reports", self.calm_reports, 1)
-        if self.skips > self.window:
-            raise ValueError(
-                f"AdaptiveRules.skips={self.skips} > window={self.window}: a module cannot "
-                "cause more skips than the window holds; lower skips or widen the window"
-            )
-        if not 0.0 < float(self.max_promoted_fraction) <= 1.0:
-            raise ValueError(
-                f"AdaptiveRules.max_promoted_fraction={self.max_promoted_fraction!r}: give a "
-                "fraction in (0, 1]"
-            )
-        if not float(self.headroom_limit) > 0.0:
-            raise ValueError(
-                f"AdaptiveRules.headroom_limit={self.headroom_limit!r}: give a positive number"
-            )
-        if not 0.0 <= float(self.demote_below) < float(self.headroom_limit):
-            raise ValueError(
-                f"AdaptiveRules.demote_below={self.demote_below!r}: must be >= 0 and below "
-                f"headroom_limit={self.headroom_limit!r}, or a module could oscillate"
-            )
-        if not 0.0 < float(self.fp8_flush_limit) <= 1.0:
-            raise ValueError(
-                f"AdaptiveRules.fp8_flush_limit={self.fp8_flush_limit!r}: give a fraction in (0, 1]"
-            )
-        if isinstance(self.watch, str):
-            raise ValueError(f"AdaptiveRules.watch={self.watch!r}: give a tuple of patterns")
+        f = Fields(self)
+        f.whole("interval", 1, INT32_MAX)
+        window = f.whole("window", 1, INT32_MAX)
+        why = f" (window={window}: a module cannot cause more skips than the window holds)"
+        f.whole("skips", 1, window, why)
+        f.whole("patience", 1, INT32_MAX)
+        f.whole("calm_reports", 1, INT32_MAX)
+        limit = f.real("headroom_limit", 0.0, 1.0, low_open=True)
+        why = f" (below headroom_limit={limit}, or a module could oscillate)"
+        f.real("demote_below", 0.0, limit, high_open=True, why=why)
+        f.real("max_promoted_fraction", 0.0, 1.0, low_open=True)
+        f.real("fp8_flush_limit", 0.0, 1.0, low_open=True)
+        f.flag("demote")
+        f.patterns("watch", "blocks.*.mlp", optional=True, empty=False)
 
 
 @dataclass(frozen=True)
@@ -255,7 +251,7 @@ class AdaptivePrecision:
             return cls(AdaptiveRules(), precision)
         if isinstance(adaptive, AdaptiveRules):
             return cls(adaptive, precision)
-        raise ValueError(
+        raise ArgumentTypeError(
             f"adaptive={adaptive!r}: pass True, False or an AdaptiveRules(...) instance"
         )
 
@@ -267,23 +263,27 @@ class AdaptivePrecision:
 
     def bind(self, model: nn.Module, fixed: tuple[str, ...] = ()) -> None:
         """Know ``model``'s modules (names as in ``named_modules``); ``fixed`` are the policy's
-        own fp32 modules, never changed.
+        own fp32 modules, never changed. A refused model changes nothing.
 
         Raises:
-            ValueError: precision "fp8" and a float8 layer whose weight FSDP2 all-gathers in
-                float8 (no bf16 weight to fall back on).
+            ValueError: a ``watch`` pattern that matches no module of ``model``; or precision
+                "fp8" and a float8 layer whose weight FSDP2 all-gathers in float8 (no bf16
+                weight to fall back on).
         """
-        self._modules = dict(model.named_modules())
+        check_module_patterns(model, watch=self.rules.watch)
+        modules = dict(model.named_modules())
+        fp8: set[str] = set()
         if self.precision == "fp8":
-            self._fp8 = {n for n, m in self._modules.items() if is_float8_linear(m)}
-            gathered = [n for n in sorted(self._fp8) if gathers_in_float8(self._modules[n])]
+            fp8 = {n for n, m in modules.items() if is_float8_linear(m)}
+            gathered = [n for n in sorted(fp8) if gathers_in_float8(modules[n])]
             if gathered:
                 raise ValueError(
                     f"adaptive=True with precision='fp8': {gathered[0]!r} has its weight "
                     "all-gathered in float8 by FSDP2, so it cannot fall back to bf16; pass "
                     "AutocastPolicy('fp8', fp8_all_gather=False, adaptive=...) or adaptive=False"
                 )
-        self._numel = {n: sum(p.numel() for p in m.parameters()) for n, m in self._modules.items()}
+        self._modules, self._fp8 = modules, fp8
+        self._numel = {n: sum(p.numel() for p in m.parameters()) for n, m in modules.items()}
         self._total = max(1, sum(p.numel() for p in model.parameters()))
         self._fixed = set(fixed)
 
@@ -398,9 +398,28 @@ class AdaptivePrecision:
             "refused": sorted(self._refused),
         }
 
+    def validate_state_dict(self, state: Any) -> None:
+        """Check a :meth:`state_dict` against this bound model and these rules; changes
+        nothing (see :func:`~distamp.precision.state_checks.check_adaptive_state`: kinds,
+        ranges, module names this model has, a log that replays).
+
+        Raises:
+            RuntimeError: called before :meth:`bind`.
+            ValueError: naming the entry (``ArgumentTypeError`` for a wrong kind).
+        """
+        self._checked(state)
+
+    def _checked(self, state: Any) -> dict[str, Any]:
+        if not self._modules:
+            raise RuntimeError("adaptive precision: bind(model) before loading its state")
+        return check_adaptive_state(state, modules=list(self._modules), fp8=self._fp8, low=self.low)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replay the saved changes on the bound model (promotions re-applied in order) and
-        restore the counts, so a resumed run decides exactly as an uninterrupted one."""
+        restore the counts, so a resumed run decides exactly as an uninterrupted one. The
+        whole state is checked first (:meth:`validate_state_dict`): a refused one changes
+        nothing."""
+        state = self._checked(state)
         for handles in self._handles.values():
             for h in handles:
                 h.remove()

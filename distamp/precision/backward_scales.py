@@ -57,59 +57,53 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from distamp.arguments import ArgumentTypeError
 from distamp.observe.numerics import FORMAT_MAX, NumericStats
+from distamp.precision.patterns import check_module_patterns
+from distamp.precision.settings import EXPONENT_LIMIT, Fields
+from distamp.precision.state_checks import check_backward_scale_state
 
 __all__ = ["BackwardScaleChange", "BackwardScaleRules", "BackwardScales", "select_blocks"]
-
-
-def _whole(name: str, value: Any, least: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise ValueError(f"BackwardScaleRules.{name}={value!r}: give a whole number >= {least}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class BackwardScaleRules:
     """Settings of per-block backward scales (``AutocastPolicy(..., backward_scales=...)``).
 
+    Every field is checked here, at construction (:mod:`distamp.precision.settings`): a wrong
+    kind is an ``ArgumentTypeError`` (a ``TypeError`` and a ``ValueError``), a value out of range
+    a ``ValueError``, both naming the field. Numbers are taken as torch takes them (numpy
+    scalars, 0-d tensors; never ``bool``) and stored as plain Python numbers.
+
     Attributes:
-        blocks: name patterns (``fnmatch``) of the blocks; ``None``: top-level blocks (see the
-            module doc).
-        grow_above: grow a block whose underflow fraction exceeds this, in [0, 1) (default
+        blocks: name patterns (``fnmatch`` on qualified names) of the blocks, a non-empty
+            sequence of non-empty strings (stored as a tuple; one string is refused); each must
+            match a module of the model it meets (:mod:`distamp.precision.patterns`). ``None``
+            (default): top-level blocks (see the module doc).
+        grow_above: grow a block whose underflow fraction exceeds this, in ``[0, 1)`` (default
             0.05).
         headroom_bits: after growing, a block's largest entering gradient stays this many
-            binades under the format's maximum (default 8: parameter gradients sum over the
-            batch and can exceed it).
-        max_growth: most doublings a block gains at one report (default 8).
-        max_exponent: the largest ``k_b`` (default 24; exponents stay in ``[0, max_exponent]``).
+            binades under the format's maximum, in ``[0, 40]`` (default 8: parameter gradients
+            sum over the batch and can exceed it; fp16 spans 40 binades, subnormals included,
+            so a larger headroom could never let a block grow).
+        max_growth: most doublings a block gains at one report, in ``[1, 24]`` (default 8).
+        max_exponent: the largest ``k_b``, in ``[1, 24]`` (default 24; exponents stay in
+            ``[0, max_exponent]``; why 24: :data:`~distamp.precision.settings.EXPONENT_LIMIT`).
     """
 
     blocks: tuple[str, ...] | None = None
     grow_above: float = 0.05
     headroom_bits: int = 8
     max_growth: int = 8
-    max_exponent: int = 24
+    max_exponent: int = EXPONENT_LIMIT
 
     def __post_init__(self) -> None:
-        if isinstance(self.blocks, str) or (
-            self.blocks is not None
-            and (
-                not isinstance(self.blocks, tuple)
-                or not self.blocks
-                or not all(isinstance(p, str) and p for p in self.blocks)
-            )
-        ):
-            raise ValueError(
-                f"BackwardScaleRules.blocks={self.blocks!r}: give a non-empty tuple of module "
-                "name patterns (e.g. ('layers.*',)) or None for the top-level blocks"
-            )
-        grow = self.grow_above
-        if isinstance(grow, bool) or not isinstance(grow, (int, float)) or not 0 <= grow < 1:
-            raise ValueError(
-                f"BackwardScaleRules.grow_above={grow!r}: give an underflow fraction in [0, 1)"
-            )
-        _whole("headroom_bits", self.headroom_bits, 0)
-        _whole("max_growth", self.max_growth, 1)
-        _whole("max_exponent", self.max_exponent, 1)
+        f = Fields(self)
+        f.patterns("blocks", "layers.*", optional=True, empty=False)
+        f.real("grow_above", 0.0, 1.0, high_open=True, why=" (an underflow fraction)")
+        f.whole("headroom_bits", 0, 40, " (binades: fp16 spans 40)")
+        f.whole("max_growth", 1, EXPONENT_LIMIT)
+        f.whole("max_exponent", 1, EXPONENT_LIMIT, " (2**k stays a sane float32 factor)")
 
 
 @dataclass(frozen=True)
@@ -233,15 +227,19 @@ class BackwardScales:
             return cls(BackwardScaleRules(), precision)
         if isinstance(value, BackwardScaleRules):
             return cls(value, precision)
-        raise ValueError(
+        raise ArgumentTypeError(
             f"backward_scales={value!r}: pass True, False or a BackwardScaleRules(...) instance"
         )
 
     # ------------------------------------------------------------------ binding
     def bind(self, model: nn.Module) -> None:
         """Find ``model``'s blocks (the unwrapped model: names as the user knows them) and put
-        the entry/exit hooks on them."""
-        self.remove()
+        the entry/exit hooks on them. A refused model changes nothing.
+
+        Raises:
+            ValueError: a ``blocks`` pattern that matches no module of ``model``, or no block.
+        """
+        check_module_patterns(model, blocks=self.rules.blocks)
         blocks = select_blocks(model, self.rules.blocks)
         if not blocks:
             wanted = self.rules.blocks or "top-level children with parameters"
@@ -249,6 +247,7 @@ class BackwardScales:
                 f"backward_scales: no block found in the model ({wanted}); set "
                 "BackwardScaleRules(blocks=(...)) to module name patterns that match"
             )
+        self.remove()
         previous = dict(zip(self.names, self.exponents, strict=True))
         self.names = [name for name, _ in blocks]
         self.exponents = [previous.get(name, 0) for name in self.names]
@@ -432,16 +431,31 @@ class BackwardScales:
             "window": None if self._window is None else self._window.tolist(),
         }
 
+    def validate_state_dict(self, state: Any) -> None:
+        """Check a :meth:`state_dict` against the bound blocks and the rules; changes nothing
+        (see :func:`~distamp.precision.state_checks.check_backward_scale_state`: this model's
+        blocks, exponents in ``[0, max_exponent]``, 0 on blocks sharing a parameter).
+
+        Raises:
+            RuntimeError: called before :meth:`bind`.
+            ValueError: naming the entry (``ArgumentTypeError`` for a wrong kind).
+        """
+        self._checked(state)
+
+    def _checked(self, state: Any) -> dict[str, Any]:
+        if not self.names:
+            raise RuntimeError("backward scales: bind(model) before loading their state")
+        pinned = [self.names[i] for i in self.pinned]
+        high = self.rules.max_exponent
+        return check_backward_scale_state(state, names=self.names, pinned=pinned, max_exponent=high)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["exponents"]
-        if set(saved) != set(self.names):
-            raise ValueError(
-                f"backward scales: the checkpoint's blocks {sorted(saved)} are not this model's "
-                f"{sorted(self.names)}; resume with the same model and BackwardScaleRules.blocks"
-            )
-        self.exponents = [int(saved[n]) for n in self.names]
+        """Restore a :meth:`state_dict`, checked whole first (:meth:`validate_state_dict`): a
+        refused state changes nothing."""
+        state = self._checked(state)
+        self.exponents = state["exponents"]
         self.changes = [BackwardScaleChange(**c) for c in state["changes"]]
-        self._forward_order = [int(i) for i in state["forward_order"]]
+        self._forward_order = state["forward_order"]
         window = state["window"]
         device = self._window.device if self._window is not None else torch.device("cpu")
         self._window = None if window is None else torch.tensor(window, device=device)

@@ -130,9 +130,11 @@ class Float8Training:
         Raises:
             ImportError: torchao missing or outside the tested range.
             RuntimeError: a CUDA device without float8 support.
+            ValueError: a name pattern of ``policy`` that matches nothing in ``model``.
         """
         ao = require_torchao()
         check_device(device)
+        policy.check_patterns(model)  # a misspelt pattern refused before any layer is swapped
         settings = policy.fp8
         assert settings is not None, "convert() needs an fp8 policy"
         choices = plan_linears(model, policy)
@@ -173,6 +175,7 @@ class Float8Training:
         then the model was parallelised before it was converted.
         """
         require_torchao()
+        policy.check_patterns(model)
         settings = policy.fp8
         assert settings is not None, "adopt() needs an fp8 policy"
         choices = [

@@ -18,7 +18,9 @@ from typing import Protocol
 
 from torch import nn
 
+from distamp.arguments import INT64_MAX
 from distamp.precision.fp8_parallel import is_float8_linear
+from distamp.precision.settings import Fields
 
 __all__ = [
     "DEFAULT_MIN_FEATURES",
@@ -53,12 +55,14 @@ class Float8Settings:
     Attributes:
         recipe: ``"tensorwise"`` (default) or ``"rowwise"`` (see :data:`FP8_RECIPES`).
         min_features: both in and out features must be at least this for a Linear to run in
-            fp8 (see :data:`DEFAULT_MIN_FEATURES` for why the default is 2048).
-        exclude: name patterns (``fnmatch`` on the qualified name, e.g. ``"head"``,
-            ``"blocks.0.*"``) of Linear layers kept in bf16.
-        fsdp_float8_all_gather: under FSDP2/HSDP, all-gather the selected weights in float8
-            (half of bf16's bytes). Tensorwise only: torchao has no rowwise float8 all-gather,
-            so with ``recipe="rowwise"`` the weights are gathered in bf16.
+            fp8, a whole number in ``[0, 2**63 - 1]`` (see :data:`DEFAULT_MIN_FEATURES` for why
+            the default is 2048).
+        exclude: a sequence of name patterns (``fnmatch`` on the qualified name, e.g.
+            ``"head"``, ``"blocks.0.*"``) of Linear layers kept in bf16; one string is refused,
+            and each must match a Linear layer of the model (:mod:`distamp.precision.patterns`).
+        fsdp_float8_all_gather: a ``bool``: under FSDP2/HSDP, all-gather the selected weights
+            in float8 (half of bf16's bytes). Tensorwise only: torchao has no rowwise float8
+            all-gather, so with ``recipe="rowwise"`` the weights are gathered in bf16.
     """
 
     recipe: str = "tensorwise"
@@ -67,18 +71,13 @@ class Float8Settings:
     fsdp_float8_all_gather: bool = True
 
     def __post_init__(self) -> None:
-        if self.recipe not in FP8_RECIPES:
-            raise ValueError(f"recipe={self.recipe!r} is not one of {FP8_RECIPES}")
-        m = self.min_features
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise ValueError(f"fp8_min_features={m!r} must be an int >= 0")
-        if isinstance(self.exclude, str) or not all(isinstance(p, str) for p in self.exclude):
-            raise ValueError(
-                f"fp8_exclude={self.exclude!r} must be a collection of name patterns, "
-                "e.g. ('head',)"
-            )
-        if not isinstance(self.fsdp_float8_all_gather, bool):
-            raise ValueError(f"fp8_all_gather={self.fsdp_float8_all_gather!r} must be a bool")
+        # Named as AutocastPolicy's arguments, which build these settings.
+        labels = {"min_features": "fp8_min_features", "exclude": "fp8_exclude"}
+        f = Fields(self, {"recipe": "recipe", "fsdp_float8_all_gather": "fp8_all_gather", **labels})
+        f.choice("recipe", FP8_RECIPES)
+        f.whole("min_features", 0, INT64_MAX)
+        f.patterns("exclude", "head", optional=False, empty=True)
+        f.flag("fsdp_float8_all_gather")
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from distamp.arguments import integer_or_none
+from distamp.arguments import as_bool, integer_or_none
 from distamp.precision.adaptive import AdaptivePrecision, AdaptiveRules
 from distamp.precision.backward_scales import BackwardScaleRules, BackwardScales
 from distamp.precision.casts import to_fp32
 from distamp.precision.fp8_select import Float8Settings
+from distamp.precision.patterns import as_patterns, check_module_patterns, module_specs
+from distamp.precision.settings import reduce_dtype_of
 
 __all__ = [
     "AutocastPolicy",
@@ -255,22 +257,23 @@ class AutocastPolicy:
 
     Args:
         precision: the low-precision compute dtype (any :func:`parse_precision` spelling).
-        fp32_modules: module classes or name patterns (see :data:`ModuleSpec`) that run with
-            autocast off. Default: the normalization layers.
-        fp32_ops: op names run in fp32 under autocast. Default: :data:`DEFAULT_FP32_OPS`
-            (softmax/log_softmax, normalizations, losses, CUDA autocast's fp32 reductions).
-        cast_inputs: cast low-precision floating inputs of fp32 modules and ops to fp32. With
-            ``False`` the regions only turn autocast off, so they compute in their inputs' dtype
-            (for modules that manage their own casting).
-        reduce_dtype: the dtype FSDP reduces gradients in. fp32 by default: the loss scaler
-            then sees fp32 gradients and an fp16 reduction of scaled gradients cannot overflow.
+        fp32_modules: a sequence of module classes or name patterns (see :data:`ModuleSpec`;
+            one string is refused) that run with autocast off. Default: the normalization
+            layers. Each pattern must match a module when applied (:meth:`check_patterns`).
+        fp32_ops: op names run in fp32 under autocast, a sequence of strings. Default:
+            :data:`DEFAULT_FP32_OPS` (softmax, normalizations, losses, fp32 reductions).
+        cast_inputs: a ``bool``: cast low-precision floating inputs of fp32 modules and ops to
+            fp32. With ``False`` the regions only turn autocast off, so they compute in their
+            inputs' dtype (for modules that manage their own casting).
+        reduce_dtype: the floating dtype FSDP reduces gradients in. fp32 by default: the loss
+            scaler then sees fp32 gradients and an fp16 reduction of scaled gradients cannot
+            overflow.
         recipe: fp8 only: torchao's scaling recipe, ``"tensorwise"`` (default) or
             ``"rowwise"``.
         fp8_min_features: fp8 only: Linear layers with fewer in or out features stay in bf16
-            (default :data:`distamp.precision.fp8_select.DEFAULT_MIN_FEATURES`, 2048: smaller GEMMs
-            are slower
-            in fp8 than in bf16).
-        fp8_exclude: fp8 only: name patterns of Linear layers kept in bf16 (e.g. ``"head"``).
+            (default :data:`distamp.precision.fp8_select.DEFAULT_MIN_FEATURES`, 2048).
+        fp8_exclude: fp8 only: a sequence of name patterns of Linear layers kept in bf16 (e.g.
+            ``("head",)``); each must match a Linear layer when applied.
         fp8_all_gather: fp8 only: under FSDP2/HSDP, all-gather the fp8 layers' weights in
             float8 (default True; tensorwise recipe only).
         adaptive: ``True`` or an :class:`~distamp.precision.adaptive.AdaptiveRules`: modules
@@ -282,13 +285,14 @@ class AutocastPolicy:
             :mod:`distamp.precision.backward_scales`; driven by :class:`~distamp.DistAMP`).
 
         With ``"fp8"``, the Linear layers outside the fp32 modules that pass the fp8 rules run
-        in float8 and everything else as under ``"bf16"`` (see :mod:`distamp.precision.fp8`); the
-        fp32
-        modules are never converted.
+        in float8 and everything else as under ``"bf16"`` (see :mod:`distamp.precision.fp8`);
+        the fp32 modules are never converted.
 
     Raises:
-        ValueError: a bad precision, an entry of ``fp32_modules`` that is neither a module
-            class nor a string, or an fp8 option with another precision.
+        ValueError: a bad precision, or an fp8 option with another precision.
+        ArgumentTypeError: (a ``TypeError`` and a ``ValueError``) a value of the wrong kind:
+            one string where a sequence is expected, a non-bool flag, an entry of
+            ``fp32_modules`` that is neither a module class nor a string.
     """
 
     def __init__(
@@ -309,8 +313,7 @@ class AutocastPolicy:
         self.precision = parse_precision(precision)
         self.adaptive = AdaptivePrecision.from_arg(adaptive, self.precision.name)
         self.backward_scales = BackwardScales.from_arg(backward_scales, self.precision.name)
-        if fp8_min_features is not None and integer_or_none(fp8_min_features) is not None:
-            fp8_min_features = integer_or_none(fp8_min_features)  # numpy / 0-d tensor: a plain int
+        exclude = as_patterns("fp8_exclude", fp8_exclude, "head", optional=False, empty=True) or ()
         fp8_options = {
             "recipe": recipe,
             "fp8_min_features": fp8_min_features,
@@ -323,32 +326,23 @@ class AutocastPolicy:
                 recipe=defaults.recipe if recipe is None else recipe,
                 min_features=defaults.min_features if fp8_min_features is None
                 else fp8_min_features,
-                exclude=(fp8_exclude,) if isinstance(fp8_exclude, str) else tuple(fp8_exclude),
+                exclude=exclude,
                 fsdp_float8_all_gather=defaults.fsdp_float8_all_gather
                 if fp8_all_gather is None else fp8_all_gather,
             )  # fmt: skip
         else:
             given = [k for k, v in fp8_options.items() if v is not None]
-            given += ["fp8_exclude"] if tuple(fp8_exclude) else []
+            given += ["fp8_exclude"] if exclude else []
             if given:
                 raise ValueError(
                     f"{', '.join(given)}: fp8 options with precision="
                     f"{self.precision.name!r}; pass them with AutocastPolicy('fp8', ...)"
                 )
-        self.fp32_modules: tuple[ModuleSpec, ...] = tuple(fp32_modules)
-        for spec in self.fp32_modules:
-            if not (
-                isinstance(spec, str) or (isinstance(spec, type) and issubclass(spec, nn.Module))
-            ):
-                raise ValueError(
-                    f"fp32_modules: {spec!r} is neither an nn.Module subclass nor a name pattern "
-                    "(e.g. nn.LayerNorm, 'lm_head', 'blocks.*.ln1')"
-                )
-        if isinstance(fp32_ops, str):
-            raise ValueError(f"fp32_ops={fp32_ops!r} must be a collection of op names, not one")
-        self.fp32_ops = frozenset(fp32_ops)
-        self.cast_inputs = bool(cast_inputs)
-        self.reduce_dtype = reduce_dtype
+        self.fp32_modules: tuple[ModuleSpec, ...] = module_specs("fp32_modules", fp32_modules)
+        ops = as_patterns("fp32_ops", fp32_ops, "softmax", optional=False, empty=True)
+        self.fp32_ops = frozenset(ops or ())
+        self.cast_inputs = as_bool("cast_inputs", cast_inputs)
+        self.reduce_dtype = reduce_dtype_of("reduce_dtype", reduce_dtype)
         self._handles: dict[int, list[RemovableHandle]] = {}
 
     def __repr__(self) -> str:
@@ -401,11 +395,29 @@ class AutocastPolicy:
 
         Returns:
             ``model`` itself.
+
+        Raises:
+            ValueError: a pattern matching nothing in ``model`` (:meth:`check_patterns`).
         """
+        self.check_patterns(model)
         for _, module in self.fp32_modules_of(model):
             if id(module) not in self._handles:
                 self._handles[id(module)] = _fp32_hooks(module, self.cast_inputs)
         return model
+
+    def check_patterns(self, model: nn.Module) -> None:
+        """Refuse a name pattern of this policy (``fp32_modules``, ``fp8_exclude``, the adaptive
+        ``watch``, the backward-scale ``blocks``) that matches nothing in ``model``: a
+        ``ValueError`` naming the field, the pattern and the closest names. Reads names only;
+        module classes and defaults are never refused (:mod:`distamp.precision.patterns`)."""
+        adaptive, scales = self.adaptive, self.backward_scales
+        check_module_patterns(
+            model,
+            fp32_modules=self.fp32_modules,
+            fp8_exclude=self.fp8.exclude if self.fp8 is not None else (),
+            watch=adaptive.rules.watch if adaptive is not None else None,
+            blocks=scales.rules.blocks if scales is not None else None,
+        )
 
     def remove(self) -> None:
         """Remove every hook :meth:`apply` registered."""
