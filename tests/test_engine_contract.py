@@ -302,3 +302,33 @@ def _agreeing_rank(rank: int, world: int) -> int:
 @pytest.mark.timeout(60)
 def test_equal_settings_pass() -> None:
     assert run_ranks(_agreeing_rank, 2, timeout=45) == [0, 0]
+
+
+# ---------------------------------------------------------------- plug-ins and the scaler
+def test_a_check_only_scaler_never_takes_a_loss_scale(caplog: pytest.LogCaptureFixture) -> None:
+    fp16 = DistributedGradScaler("cpu", init_scale=2.0**16)
+    check_only = DistributedGradScaler("cpu", check_only=True)
+    with caplog.at_level(logging.WARNING, logger="distamp"):
+        check_only.load_state_dict(fp16.state_dict())
+    assert check_only.get_scale() == 1.0
+    assert "the scale stays 1" in caplog.text
+
+
+def test_accelerate_refuses_a_bad_scaler_file_before_loading_anything(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    from distamp.integrations.accelerate import DistAMPAccelerator
+
+    acc = DistAMPAccelerator(mixed_precision="fp16", cpu=True)
+    model = acc.prepare(_model())
+    acc.save_state(str(tmp_path))
+    state = torch.load(tmp_path / "scaler.pt", weights_only=True)
+    state["scale"] = float("nan")
+    torch.save(state, tmp_path / "scaler.pt")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # differs from the checkpoint: a load would show
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"scaler\.pt") as info:
+        acc.load_state(str(tmp_path))
+    assert "nothing was loaded" in str(info.value)
+    assert _same(model.state_dict(), before)

@@ -134,7 +134,7 @@ class DistAMPAccelerator(Accelerator):
         self.trust_ddp_sync = bool(trust_ddp_sync)
         self.amp_metrics = AMPMetrics(self.device)
         self._last_grad_norm: torch.Tensor | None = None
-        self._last_load_dir: str | None = None
+        self._pending_scaler: dict[str, Any] | None = None  # checked before a load, applied after
         mode = self.state.mixed_precision
         fp16 = mode == "fp16"
         own_scaling = self.distributed_type in (
@@ -263,22 +263,30 @@ class DistAMPAccelerator(Accelerator):
 
     # ------------------------------------------------------------------ state
     def _remember_load_dir(self, _models: list[Any], input_dir: str) -> None:
-        self._last_load_dir = input_dir
+        """Before Accelerate loads anything: read and check the scaler's file, so that a bad
+        one is refused while the model and optimizer are still as they were."""
+        self._pending_scaler = None
+        scaler = self.scaler
+        path = os.path.join(input_dir, SCALER_FILE)
+        ours = isinstance(scaler, DistributedGradScaler) and scaler.is_enabled()
+        if ours and os.path.exists(path):
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+                self._pending_scaler = scaler.check_state_dict(state)
+            except Exception as exc:  # unreadable, or a value the scaler refuses
+                raise ValueError(f"checkpoint file {path}: {exc}; nothing was loaded") from None
 
     def load_state(
         self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
     ) -> Any:
-        """Accelerate's ``load_state``, then the scaler's state again from the same folder.
+        """Accelerate's ``load_state``, the scaler's file checked first (a bad one refuses the
+        whole load before anything changed) and loaded again afterwards.
 
-        Accelerate loads the scaler on one of two paths depending on FSDP2; reading the file once
-        more afterwards (a few bytes) makes the round-trip independent of that branch.
+        Accelerate loads the scaler on one of two paths depending on FSDP2; loading the checked
+        state once more afterwards makes the round-trip independent of that branch.
         """
-        self._last_load_dir = None
+        self._pending_scaler = None
         out = super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
-        scaler = self.scaler
-        folder = self._last_load_dir
-        if isinstance(scaler, DistributedGradScaler) and scaler.is_enabled() and folder:
-            path = os.path.join(folder, SCALER_FILE)
-            if os.path.exists(path):
-                scaler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        if self._pending_scaler is not None:
+            self.scaler.load_state_dict(self._pending_scaler)
         return out

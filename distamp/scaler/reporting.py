@@ -7,6 +7,7 @@ machine (scale -> unscale -> step -> update) in :mod:`distamp.scaler`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +25,8 @@ from distamp.scaler.records import StepAgreement
 from distamp.scaler.scale_state import ScaleState
 
 __all__ = ["ScalerReporting"]
+
+_log = logging.getLogger("distamp.scaler")
 
 
 class ScalerReporting(torch.amp.GradScaler):
@@ -178,6 +181,15 @@ class ScalerReporting(torch.amp.GradScaler):
         if not self._enabled:
             return
         sd = self.check_state_dict(state_dict)
+        if self._check_only and sd["scale"] != 1.0:
+            # A loss-scaling (fp16) run's state: its scale means nothing here, and a fused step
+            # would divide every gradient by it. Said once, and the scale stays 1.
+            _log.warning(
+                "a check-only scaler (bf16/fp32/fp8: no loss scaling) was given the state of a "
+                "loss-scaling one (scale %g): the scale stays 1, the rest is kept",
+                sd["scale"],
+            )
+            sd = {**sd, "scale": 1.0, "_growth_tracker": 0}
         super().load_state_dict(sd)
         self._hysteresis = sd["hysteresis"]
         self._counters.load(sd["_hysteresis_tracker"], sd["skipped_steps"])
