@@ -332,3 +332,28 @@ def test_accelerate_refuses_a_bad_scaler_file_before_loading_anything(tmp_path: 
         acc.load_state(str(tmp_path))
     assert "nothing was loaded" in str(info.value)
     assert _same(model.state_dict(), before)
+
+
+def _scaler_rank(rank: int, world: int) -> str:
+    from distamp.cluster import init_distributed, shutdown_distributed
+
+    init_distributed(timeout=60)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DistributedGradScaler("cpu", growth_interval=2000 if rank == 0 else 1000)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(4, 4)).float().sum()
+    scaler.scale(loss).backward()
+    try:
+        scaler.step(opt)  # the first collective: the settings are compared before it
+        message = "no error"
+    except SettingsMismatchError as exc:
+        message = str(exc)
+    shutdown_distributed()
+    return message
+
+
+@pytest.mark.timeout(60)
+def test_scalers_built_differently_fail_at_their_first_collective() -> None:
+    messages = run_ranks(_scaler_rank, 2, timeout=45)
+    assert all("scaler.growth_interval: ranks 0: 2000; ranks 1: 1000" in m for m in messages)

@@ -130,6 +130,7 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
             init_scale = 1.0  # nothing is scaled: the scale only reports 1
         # Before torch's __init__, which assigns _per_optimizer_states (kept in here).
         self._steps = StepAgreement(process_group)
+        self._steps.settings = self.settings  # compared across ranks at the first collective
         super().__init__(
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
         )

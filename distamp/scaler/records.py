@@ -15,13 +15,15 @@ methods, so neither reaches into the other.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
+from distamp.cluster.agreement import agree_settings
 from distamp.observe.diagnostics import OverflowRecorder
 from distamp.parallel import reduction
 from distamp.parallel.topology import Topology
@@ -136,6 +138,10 @@ class StepAgreement:
         self.collectives_issued = 0  # how many found_inf collectives were issued
         # Statistics riding the step's one collective (the numeric monitor), or None.
         self.rider: reduction.Rider | None = None
+        # The owner's settings, compared across the agreeing ranks once, before the first
+        # collective: a scaler used without the engine has no other setup step to do it in.
+        self.settings: Callable[[], Mapping[str, Any]] | None = None
+        self.settings_agreed = False
 
     def record(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
         """The optimizer's record for this iteration (created READY on first use)."""
@@ -214,9 +220,21 @@ class StepAgreement:
             home = extra.device if extra is not None else torch.device("cpu")
         extra, extra_op, split = reduction.ride_along(self.rider, extra, extra_op)
         if not reducer.is_noop:
+            if not self.settings_agreed:
+                self.agree_settings(reducer)
             self.collectives_issued += len(reducer.groups)
         agreed = agree_pending(pending, reducer, home, extra, extra_op)
         return split(agreed, reducer.size)  # type: ignore[no-any-return]
+
+    def agree_settings(self, reducer: reduction.FlagReducer) -> None:
+        """Once: compare :attr:`settings` over ``reducer``'s group, when it is one real process
+        group (the default group, or one the user passed); a mismatch raises
+        :class:`~distamp.cluster.SettingsMismatchError` on every rank of it. One collective,
+        not counted in ``collectives_issued`` (the per-step count)."""
+        self.settings_agreed = True
+        group = reducer.groups[0] if len(reducer.groups) == 1 else None
+        if self.settings is not None and isinstance(group, dist.ProcessGroup):
+            agree_settings(self.settings(), what="DistributedGradScaler", group=group)
 
     def discard(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget the optimizer's record (a disabled scaler keeps no per-step state)."""
