@@ -303,8 +303,8 @@ def read_checkpoint(
             rng = _load_file(path / f"rng_{rank}.pt", root)
         except CheckpointError as exc:
             error = str(exc)
-    if error is None:
-        error = _mismatch(path / "state", root, model)
+    mismatch = _mismatch(path / "state", root, model)  # collective: on every rank
+    error = mismatch if error is None else error
     if world > 1:
         # Per-rank files fail on one rank only: agree, so that no rank trains on while a peer
         # has raised (it would wait in its first collective until the timeout).
@@ -347,23 +347,31 @@ def _refuse_foreign(root: Path) -> None:
 
 
 def _mismatch(state_dir: Path, root: Path, model: nn.Module) -> str | None:
-    """Why the checkpoint in ``state_dir`` does not fit ``model``, or ``None``. The model's
-    entries only: the optimizer's would have to be materialised first (torch builds a fresh
-    optimizer's state with a step of zeros to list them), which a refused load must not do;
-    its entries follow the parameters, and DCP refuses a missing one before reading."""
+    """Why the checkpoint in ``state_dir`` does not fit ``model``, or ``None``. Collective when
+    distributed, on every rank whatever happened before (pipeline stages each hold part of the
+    model: an entry is foreign only when no rank of the job has it, so the ranks' names are
+    gathered once). The model's entries only: the optimizer's would have to be materialised
+    first (torch builds a fresh optimizer's state with a step of zeros to list them), which a
+    refused load must not do; its entries follow the parameters, and DCP refuses a missing one
+    before reading."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    mine = get_model_state_dict(model, options=_state_dict_options())
+    job = set(mine)
+    if _dist()[1] > 1:
+        everyone: list[Any] = [None] * _dist()[1]
+        dist.all_gather_object(everyone, sorted(mine))
+        job = {k for keys in everyone for k in keys}
     try:
         saved = FileSystemReader(str(state_dir)).read_metadata().state_dict_metadata
     except Exception as exc:  # a missing or corrupted .metadata
         return str(_unreadable(state_dir, exc, root))
-    mine = get_model_state_dict(model, options=_state_dict_options())
     theirs = {k.split(".", 1)[1]: v for k, v in saved.items() if k.startswith("model.")}
     problems = []
     for what, keys in (
-        ("entries this model does not have", set(theirs) - set(mine)),
+        ("entries this model does not have", set(theirs) - job),
         ("model entries missing from the checkpoint", set(mine) - set(theirs)),
     ):
         if keys:

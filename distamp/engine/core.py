@@ -60,6 +60,7 @@ from distamp.parallel.strategies import (
     resolve_strategy,
 )
 from distamp.precision.fp8 import Float8Training
+from distamp.precision.patterns import gather_modules, job_modules
 from distamp.precision.policy import (
     AutocastPolicy,
     MPOwner,
@@ -256,17 +257,19 @@ class DistAMP(RunLoop):
         names = {id(p): n for n, p in model.named_parameters()}
         model = model.to(self.device)
         fsdp_dtype = cfg.precision.compute_dtype if self.mp_owner == "fsdp" else None
-        if cfg.precision.float8_linears:  # before wrapping: FSDP2 must see the float8 weights
-            policy = cfg.policy or AutocastPolicy(cfg.precision)
-            self.fp8 = (
-                Float8Training.adopt(model, policy)  # converted before the user parallelised it
-                if parallelised
-                else Float8Training.convert(
-                    model, policy, strategy=self.strategy, device=self.device
+        job = gather_modules(model) if stages else None  # patterns match across the stages
+        with job_modules(job):
+            if cfg.precision.float8_linears:  # before wrapping: FSDP2 must see float8 weights
+                policy = cfg.policy or AutocastPolicy(cfg.precision)
+                self.fp8 = (
+                    Float8Training.adopt(model, policy)  # converted before parallelising
+                    if parallelised
+                    else Float8Training.convert(
+                        model, policy, strategy=self.strategy, device=self.device
+                    )
                 )
-            )
-        if cfg.policy is not None:
-            cfg.policy.apply(model)  # before wrapping: the hooks stay on FSDP's units
+            if cfg.policy is not None:
+                cfg.policy.apply(model)  # before wrapping: the hooks stay on FSDP's units
         wrapped = (
             wrap_replicas(model, ft)  # torchft's DDP: gradients averaged across replicas
             if ft is not None and self.strategy == "ddp"
@@ -306,10 +309,11 @@ class DistAMP(RunLoop):
         if cfg.trace_nonfinite:
             self.tracer = NonFiniteTracer(model)  # the unwrapped model: its module names
             self.scaler.attach_tracer(self.tracer)
-        self.adaptive = AdaptiveRun.build(  # the unwrapped model: its module names
-            model, precision=cfg.precision, policy=cfg.policy, scaler=self.scaler,
-            interval=cfg.numerics_interval, step=self.step_count,
-        )  # fmt: skip
+        with job_modules(job):  # the unwrapped model: its module names
+            self.adaptive = AdaptiveRun.build(
+                model, precision=cfg.precision, policy=cfg.policy, scaler=self.scaler,
+                interval=cfg.numerics_interval, step=self.step_count,
+            )  # fmt: skip
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
         self.metrics = Metrics(self.device)
         self.quorum = None if ft is None else QuorumSchedule(ft)

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from distamp.arguments import ArgumentTypeError
@@ -37,6 +40,8 @@ __all__ = [
     "check_matched",
     "check_module_patterns",
     "closest",
+    "gather_modules",
+    "job_modules",
     "module_specs",
     "unknown_name",
 ]
@@ -159,6 +164,38 @@ def check_matched(
             )
 
 
+_Entry = tuple[str, str, bool]  # (qualified name, class name, is a Linear layer)
+_JOB: ContextVar[tuple[_Entry, ...] | None] = ContextVar("distamp_job_modules", default=None)
+
+
+def _entries(model: nn.Module) -> list[_Entry]:
+    return [(n, type(m).__name__, isinstance(m, nn.Linear)) for n, m in model.named_modules()]
+
+
+def gather_modules(model: nn.Module) -> tuple[_Entry, ...]:
+    """Every rank's module names, classes and Linear layers (``model`` being each rank's part),
+    for :func:`job_modules`. Collective when distributed: one gather, at setup."""
+    entries: list[Any] = _entries(model)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, entries)
+        entries = sorted({tuple(e) for rank in everyone for e in rank})
+    return tuple(entries)
+
+
+@contextmanager
+def job_modules(entries: tuple[_Entry, ...] | None) -> Iterator[None]:
+    """Within this block, patterns are matched against ``entries`` (:func:`gather_modules`: the
+    modules of every rank of the job), not only the model at hand: pipeline stages each hold
+    part of the model, and a pattern naming a module on another stage is right, not a typo.
+    ``None``: the model at hand, as outside the block."""
+    token = _JOB.set(entries)
+    try:
+        yield
+    finally:
+        _JOB.reset(token)
+
+
 def check_module_patterns(
     model: nn.Module,
     *,
@@ -168,19 +205,21 @@ def check_module_patterns(
     blocks: Iterable[str] | None = None,
 ) -> None:
     """Refuse a pattern of these settings that matches nothing in ``model`` (see the module
-    doc for what each field is matched against). Reads names and classes only: no change.
+    doc for what each field is matched against; inside :func:`job_modules`, in any rank's part
+    of the model). Reads names and classes only: no change.
 
     Raises:
         ValueError: naming the field, the pattern and the model's closest names.
     """
-    named = list(model.named_modules())
-    names = [n for n, _ in named]
+    job = _JOB.get()
+    named = list(job) if job is not None else _entries(model)
+    names = [n for n, _, _ in named]
     strings = [s for s in fp32_modules if isinstance(s, str)]
     if strings:
-        kinds = [n for n, _ in named] + [type(m).__name__ for _, m in named]
+        kinds = names + [kind for _, kind, _ in named]
         what = "module of the model (by qualified name or class name)"
         check_matched("AutocastPolicy(fp32_modules=...)", strings, kinds, what)
-    linears = [n for n, m in named if isinstance(m, nn.Linear)]
+    linears = [n for n, _, linear in named if linear]
     check_matched("AutocastPolicy(fp8_exclude=...)", fp8_exclude, linears, "Linear layer")
     check_matched("AdaptiveRules(watch=...)", watch or (), names, "module of the model")
     inner = [n for n in names if n]  # a block is never the model itself
