@@ -140,12 +140,14 @@ def test_bad_settings_are_refused() -> None:
     policy = AutocastPolicy("fp16", backward_scales=BackwardScaleRules(blocks=("nothing*",)))
     amp = distamp.DistAMP("fp16", strategy="none", policy=policy)
     with pytest.raises(ValueError, match=r"BackwardScaleRules\(blocks="):
-        amp.setup(deep_net(), torch.optim.SGD(deep_net().parameters(), lr=0.1))
+        net = deep_net()
+        amp.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     scaler = distamp.DistributedGradScaler("cpu", enabled=False)
     amp = distamp.DistAMP("fp16", strategy="none", scaler=scaler,
                           policy=AutocastPolicy("fp16", backward_scales=True))  # fmt: skip
     with pytest.raises(ValueError, match="backward_scales=True needs the fp16 loss scaler"):
-        amp.setup(deep_net(), optimizer(deep_net()))
+        net = deep_net()
+        amp.setup(net, optimizer(net))
 
 
 def test_blocks_default_and_patterns() -> None:

@@ -83,6 +83,17 @@ class AdaptiveRun:
                 f"numerics_interval={interval!r} with precision={precision.name!r}: the monitor "
                 "watches fp16/bf16 training; drop the argument for fp32"
             )
+        if self.scales is not None and (not scaler.is_enabled() or scaler.check_only):
+            raise ValueError(
+                "backward_scales=True needs the fp16 loss scaler: the engine's scaler is "
+                "disabled or check-only; pass an enabled DistributedGradScaler or drop "
+                "backward_scales"
+            )
+        # What can refuse the model runs before the monitor's hooks go on it.
+        if self.adaptive is not None:
+            assert policy is not None
+            fixed = tuple(name for name, _ in policy.fp32_modules_of(model))
+            self.adaptive.bind(model, fixed)
         self.monitor = NumericMonitor(
             model,
             compute_dtype=precision.compute_dtype,
@@ -90,19 +101,9 @@ class AdaptiveRun:
             watch=rules.watch if rules is not None else None,
             step=step,
         )
-        if self.adaptive is not None:
-            assert policy is not None
-            fixed = tuple(name for name, _ in policy.fp32_modules_of(model))
-            self.adaptive.bind(model, fixed)
         self.scaler = scaler
         self._riders: _StepRiders | None = None
-        if self.scales is not None:
-            if not scaler.is_enabled() or scaler.check_only:
-                raise ValueError(
-                    "backward_scales=True needs the fp16 loss scaler: the engine's scaler is "
-                    "disabled or check-only; pass an enabled DistributedGradScaler or drop "
-                    "backward_scales"
-                )
+        if self.scales is not None:  # its hooks after the monitor's: the order they always ran
             self.scales.bind(model)
             scaler.set_grad_exponents(self.scales.grad_exponents())
             self._riders = _StepRiders(self.monitor, self.scales)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distamp.arguments import INT32_MAX, as_integer, as_real
+from distamp.arguments import INT32_MAX, ArgumentTypeError, as_integer, as_real
 from distamp.cluster import agree_settings, is_distributed
 from distamp.parallel.replicas import is_ft_ddp, is_ft_manager
 from distamp.parallel.strategies import COMM_HOOKS, SHARDED, STRATEGIES
@@ -95,7 +95,9 @@ class AMPConfig:
     def __post_init__(self) -> None:
         for flag in ("trust_ddp_sync", "trace_nonfinite"):
             if not isinstance(getattr(self, flag), bool):  # "no" would read as True
-                raise TypeError(f"{flag}={getattr(self, flag)!r} must be a bool (True or False)")
+                raise ArgumentTypeError(
+                    f"{flag}={getattr(self, flag)!r} must be a bool (True or False)"
+                )
         if self.numerics_interval is not None:
             k = _integer("numerics_interval", self.numerics_interval)
             if not 1 <= k <= INT32_MAX:
@@ -327,9 +329,10 @@ def engine_settings(cfg: AMPConfig, strategy: str, device: torch.device) -> dict
 
 
 def check_scaler(cfg: AMPConfig, device: torch.device) -> None:
-    """A scaler passed by the user works on the training device (``ValueError`` with the fix):
+    """A scaler passed by the user is for the training device (``ValueError`` with the fix):
     torch disables a scaler built for a device that is not there with a mere warning, and an
-    fp16 run would then train unscaled, with no inf check."""
+    fp16 run would then train unscaled, with no inf check. (One disabled on purpose,
+    ``enabled=False``, is the user's choice, as with torch.)"""
     scaler = cfg.scaler
     if scaler is None:
         return
@@ -338,11 +341,6 @@ def check_scaler(cfg: AMPConfig, device: torch.device) -> None:
             f"scaler: built for device {scaler.device_type!r}, but the engine trains on "
             f"{device.type!r}{' (not available here)' if not scaler.is_enabled() else ''}: build "
             f"it with DistributedGradScaler({device.type!r}, ...), or pass scaler=None"
-        )
-    if cfg.precision.needs_scaler and not scaler.is_enabled():
-        raise ValueError(
-            f"scaler: disabled, and precision={cfg.precision.name!r} needs loss scaling (an "
-            "inf would go unnoticed): pass an enabled scaler, or scaler=None for the engine's own"
         )
 
 

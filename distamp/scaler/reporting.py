@@ -61,11 +61,13 @@ class ScalerReporting(torch.amp.GradScaler):
     def settings(self) -> dict[str, Any]:
         """What must be identical on every rank that agrees (compared once at setup by the
         engine and the plug-ins). Host sync: reads the scale."""
+        if not self._enabled:  # torch keeps no factors for a disabled scaler
+            return {"scaler.enabled": False, "scaler.check_only": self._check_only}
         return {
             "scaler.enabled": self._enabled,
             "scaler.check_only": self._check_only,
             "scaler.sync_free": self._sync_free,
-            "scaler.scale": self.get_scale() if self._enabled else None,
+            "scaler.scale": self.get_scale(),
             "scaler.growth_factor": self._growth_factor,
             "scaler.backoff_factor": self._backoff_factor,
             "scaler.growth_interval": self._growth_interval,
