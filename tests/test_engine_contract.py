@@ -12,12 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _dist import run_ranks
+from hypothesis import event, example, given
+from hypothesis import strategies as st
 from torch import nn
 
 from distamp import DistAMP, DistributedGradScaler
 from distamp.cluster import SettingsMismatchError
 from distamp.engine.checkpoint import CheckpointError
-from tests._dist import run_ranks
 
 
 def _model(width: int = 8) -> nn.Module:
@@ -243,10 +245,6 @@ def test_a_scaler_for_a_missing_device_is_refused_with_the_fix() -> None:
     amp = DistAMP("fp16", device="cpu", scaler=cuda)
     with pytest.raises(ValueError, match=r"DistributedGradScaler\('cpu'"):
         amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    disabled = DistributedGradScaler("cpu", enabled=False)
-    amp = DistAMP("fp16", device="cpu", scaler=disabled)
-    with pytest.raises(ValueError, match="needs loss scaling"):
-        amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 # ---------------------------------------------------------------- ranks agree on settings
@@ -357,3 +355,128 @@ def _scaler_rank(rank: int, world: int) -> str:
 def test_scalers_built_differently_fail_at_their_first_collective() -> None:
     messages = run_ranks(_scaler_rank, 2, timeout=45)
     assert all("scaler.growth_interval: ranks 0: 2000; ranks 1: 1000" in m for m in messages)
+
+
+# ---------------------------------------------------------------- fuzzed checkpoint contents
+_VALUES = st.one_of(
+    st.integers(-(2**64), 2**64),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([None, "abc", "fp16", "bf16", "fp8", "fp64", True, [], {}, {"foo": 1}]),
+)
+_SCALER_KEYS = (
+    "scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker",
+    "hysteresis", "_hysteresis_tracker", "skipped_steps", "min_scale",
+)  # fmt: skip
+_FIELDS = st.sampled_from(
+    ["step", "precision", "scheduler", "adaptive", "epoch"] + [f"scaler.{k}" for k in _SCALER_KEYS]
+)
+_SAVED: dict[str, Path] = {}
+
+
+def _saved_once() -> Path:
+    """One checkpoint for every example (saved on first use; examples edit copies of it)."""
+    if "dir" not in _SAVED:
+        import tempfile
+
+        root = Path(tempfile.mkdtemp(prefix="distamp-fuzz-"))
+        amp, _ = _engine("fp16")
+        _train(amp, 3)
+        amp.save_state(root)
+        _SAVED["dir"] = root
+    return _SAVED["dir"]
+
+
+@given(
+    st.dictionaries(_FIELDS, _VALUES, min_size=1, max_size=3),
+    st.sets(st.sampled_from(["step", "scaler", "scheduler", "precision"]), max_size=1),
+)
+@example({"scaler.scale": float("nan")}, set())
+@example({"step": "abc"}, set())
+@example({}, {"scaler"})
+@example({"scaler._growth_tracker": 2000}, set())
+@example({"precision": "bf16"}, set())
+def test_fuzzed_checkpoint_contents(changes: dict[str, Any], dropped: set[str]) -> None:
+    import shutil
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="distamp-fuzz-"))
+    try:
+        shutil.copytree(_saved_once(), work, dirs_exist_ok=True)
+        step_dir = next(p for p in work.glob("step_*"))
+
+        def edit(state: dict[str, Any]) -> None:
+            for key, value in changes.items():
+                if key.startswith("scaler."):
+                    state["scaler"][key.split(".", 1)[1]] = value
+                else:
+                    state[key] = value
+            for key in dropped:
+                state.pop(key, None)
+
+        _edit_trainer(step_dir, edit)
+        amp, _ = _engine("fp16")
+        _train(amp, 1)
+        before = _snapshot(amp)
+        try:
+            amp.load_state(work)
+        except (ValueError, CheckpointError) as exc:
+            assert "trainer.pt" in str(exc), f"the file is not named: {exc}"
+            assert _same(_snapshot(amp), before), "a refused load changed something"
+            event("refused, nothing changed")
+            return
+        event("loaded and trained")
+        _train(amp, 3)
+        scale = amp.scaler.get_scale()
+        assert torch.finfo(torch.float32).tiny <= scale <= torch.finfo(torch.float32).max
+        assert all(torch.isfinite(p).all() for p in amp.model.parameters())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- fuzzed per-rank settings
+def _settings_cases(n: int, seed: int) -> list[tuple[dict[str, Any], str | None, Any]]:
+    """``n`` settings dicts, each with at most one field that rank 1 changes (``None``: none)."""
+    import random
+
+    rng = random.Random(seed)
+    pool: list[Any] = [0, 1, 2**31, -1, 0.5, 1e-30, float("inf"), "fp16", "bf16", None, True,
+                       False, (1, 2), ("a",), torch.float16, torch.bfloat16]  # fmt: skip
+    cases = []
+    for _ in range(n):
+        fields = {f"f{i}": rng.choice(pool) for i in range(rng.randint(1, 12))}
+        changed = rng.choice([None, *fields])
+        other = rng.choice([v for v in pool if repr(v) != repr(fields.get(changed))])
+        cases.append((fields, changed, other))
+    return cases
+
+
+def _settings_rank(rank: int, world: int, cases: list[Any]) -> list[str]:
+    from distamp.cluster import agree_settings, init_distributed, shutdown_distributed
+
+    init_distributed(timeout=60)
+    out = []
+    for fields, changed, other in cases:
+        mine = dict(fields)
+        if rank == 1 and changed is not None:
+            mine[changed] = other
+        try:
+            agree_settings(mine, what="case")
+            out.append("agreed")
+        except SettingsMismatchError as exc:
+            out.append(str(exc))
+    shutdown_distributed()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_randomised_settings_disagree_exactly_when_a_field_differs() -> None:
+    cases = _settings_cases(40, seed=7)
+    per_rank = run_ranks(_settings_rank, 2, cases, timeout=60)
+    for i, (fields, changed, other) in enumerate(cases):
+        got = [r[i] for r in per_rank]
+        assert got[0] == got[1], (fields, changed, got)
+        if changed is None:
+            assert got[0] == "agreed", (fields, got)
+        else:
+            assert f"{changed}: ranks 0: {fields[changed]!r}"[:60] in got[0], (changed, got)
+            assert f"ranks 1: {other!r}"[:40] in got[0], (changed, other, got)
