@@ -480,3 +480,24 @@ def test_randomised_settings_disagree_exactly_when_a_field_differs() -> None:
         else:
             assert f"{changed}: ranks 0: {fields[changed]!r}"[:60] in got[0], (changed, got)
             assert f"ranks 1: {other!r}"[:40] in got[0], (changed, other, got)
+
+
+def test_accelerate_clip_with_infinite_max_norm_reads_the_norm_only() -> None:
+    # The Hugging Face Trainer with max_grad_norm=0 (its way to turn clipping off) asks for the
+    # norm with clip_grad_norm_(params, inf) at every step.
+    pytest.importorskip("accelerate")
+    from distamp.integrations.accelerate import DistAMPAccelerator
+
+    acc = DistAMPAccelerator(mixed_precision="fp16", cpu=True)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    with acc.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()  # no fp16 overflow at 2**16
+    acc.backward(loss)
+    norm = acc.clip_grad_norm_(model.parameters(), float("inf"))
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert torch.isfinite(torch.as_tensor(norm))
+    assert torch.allclose(torch.as_tensor(norm, dtype=torch.float32), grads.norm(), rtol=1e-4)
+    opt.step()
+    assert not acc.optimizer_step_was_skipped
