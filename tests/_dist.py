@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,17 +12,27 @@ from pathlib import Path
 from distamp.cluster import free_port
 from distamp.cluster.spawn import run_ranks
 
-__all__ = ["free_port", "launcher_free_env", "run_ranks", "run_torchrun"]
+__all__ = ["free_port", "launcher_free_env", "run_ranks", "run_torchrun", "script_env"]
 
 ROOT = Path(__file__).resolve().parents[1]
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT", "DISTAMP_LAUNCHER", "TORCHELASTIC_RUN_ID")  # fmt: skip
+LAUNCHER_VARS = re.compile(
+    r"(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK)$"
+    r"|(MASTER|TORCHELASTIC|SLURM|OMPI_COMM_WORLD|PMI|PMIX|MPI_LOCAL|MV2_COMM_WORLD|DISTAMP)_"
+)
 
 
 def launcher_free_env() -> dict[str, str]:
     """``os.environ`` without the variables a launcher sets: a job a test starts must not
     inherit them from whatever started pytest."""
-    return {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    return {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.match(k)}
+
+
+def script_env() -> dict[str, str]:
+    """:func:`launcher_free_env` with the repository on ``PYTHONPATH``, for commands that run
+    the repository's scripts (``distamp launch``, ``launch/train.py``)."""
+    env = launcher_free_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
 
 
 def run_torchrun(script: Path, *args: str, timeout: float = 120, nproc: int = 2) -> str:

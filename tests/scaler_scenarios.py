@@ -8,14 +8,17 @@ decision, the scale, and a digest of the full (gathered) parameters.
 from __future__ import annotations
 
 import hashlib
+import io
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from hypothesis import event
 from torch import nn
 
-from distamp import DistributedGradScaler
+from distamp import DistributedGradScaler, ScaleUnderflowError
 
 INF = float("inf")
 NAN = float("nan")
@@ -272,3 +275,35 @@ def check_agreement(results: list[dict[str, Any]], sc: Scenario) -> list[str]:
     if first["skipped"] != expected:
         problems.append(f"skips {first['skipped']} != injected steps {expected}")
     return problems
+
+
+_F32 = torch.finfo(torch.float32)
+
+
+def check_real_steps(scaler: DistributedGradScaler, overflows: int = 3) -> None:
+    """Real fp16-style steps, some overflowing: a constructed scaler must work (not fail later
+    inside torch) and keep a normal float32 scale and finite weights (no silent corruption);
+    the only error allowed is ScaleUnderflowError, the scale at its floor."""
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if not scaler.is_enabled():
+        overflows = 0  # disabled: plain fp32 training, an inf loss would be the caller's NaN
+    for k in range(overflows + 2):
+        opt.zero_grad()
+        loss = model(torch.ones(2, 3)).sum() * (math.inf if 0 < k <= overflows else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        try:
+            scaler.update()
+            scale = scaler.get_scale()
+        except ScaleUnderflowError:
+            event("ScaleUnderflowError at the floor")
+            scale = scaler.state_dict().get("scale", 1.0)  # the flag was consumed: no raise
+        assert _F32.tiny <= scale <= _F32.max, f"scale {scale!r} left normal float32"
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    sd = scaler.state_dict()
+    assert all(v is None or type(v) in (int, float) for v in sd.values()), sd
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == sd

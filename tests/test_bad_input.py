@@ -27,6 +27,7 @@ import torch
 from _dist import run_ranks
 from hypothesis import event, example, given
 from hypothesis import strategies as st
+from scaler_scenarios import check_real_steps
 from torch import nn
 
 from distamp import (
@@ -93,35 +94,6 @@ SCALER_ARGS = st.fixed_dictionaries(
 F32 = torch.finfo(torch.float32)
 
 
-def _steps(scaler: DistributedGradScaler, overflows: int = 3) -> None:
-    """Real fp16-style steps, some overflowing: a constructed scaler must work (not fail later
-    inside torch) and keep a normal float32 scale and finite weights (no silent corruption);
-    the only error allowed is ScaleUnderflowError, the scale at its floor."""
-    model = nn.Linear(3, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    if not scaler.is_enabled():
-        overflows = 0  # disabled: plain fp32 training, an inf loss would be the caller's NaN
-    for k in range(overflows + 2):
-        opt.zero_grad()
-        loss = model(torch.ones(2, 3)).sum() * (math.inf if 0 < k <= overflows else 1.0)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        try:
-            scaler.update()
-            scale = scaler.get_scale()
-        except ScaleUnderflowError:
-            event("ScaleUnderflowError at the floor")
-            scale = scaler.state_dict().get("scale", 1.0)  # the flag was consumed: no raise
-        assert F32.tiny <= scale <= F32.max, f"scale {scale!r} left normal float32"
-        assert all(torch.isfinite(p).all() for p in model.parameters())
-    sd = scaler.state_dict()
-    assert all(v is None or type(v) in (int, float) for v in sd.values()), sd
-    buffer = io.BytesIO()
-    torch.save(sd, buffer)
-    buffer.seek(0)
-    assert torch.load(buffer, weights_only=True) == sd
-
-
 @given(SCALER_ARGS)
 @example({"init_scale": 3.5e38, "max_scale": 1e40})
 @example({"hysteresis": 2**31})
@@ -149,7 +121,7 @@ def test_fuzzed_scaler_arguments(kwargs: dict[str, Any]) -> None:
     event("constructed, stepped")
     if scaler.is_enabled() and torch.device(device).type != "cpu":
         return  # a valid device this machine lacks: nothing to step on
-    _steps(scaler)
+    check_real_steps(scaler)
 
 
 def test_numpy_and_tensor_numbers_train_like_python_ones() -> None:
@@ -159,10 +131,10 @@ def test_numpy_and_tensor_numbers_train_like_python_ones() -> None:
         dict(growth_interval=torch.tensor(2), init_scale=torch.tensor(8.0)),
     ]
     plain = DistributedGradScaler("cpu", growth_interval=2, init_scale=8.0)
-    _steps(plain, overflows=1)
+    check_real_steps(plain, overflows=1)
     for kw in kinds:
         ours = DistributedGradScaler("cpu", **kw)
-        _steps(ours, overflows=1)
+        check_real_steps(ours, overflows=1)
         assert ours.state_dict() == plain.state_dict()
     amp = DistAMP("fp16", strategy="none", grad_accum_steps=np.int64(2))
     amp2 = DistAMP("fp16", strategy="none", max_grad_norm=np.float32(1.0))
@@ -266,7 +238,7 @@ STATE_KEYS = st.sampled_from(
 @example({"scale": np.float32(8.0), "growth_interval": np.int64(3)})
 def test_fuzzed_state_dict_contents(changes: dict[str, Any]) -> None:
     scaler = DistributedGradScaler("cpu", init_scale=32.0, hysteresis=2)
-    _steps(scaler, overflows=1)
+    check_real_steps(scaler, overflows=1)
     before = scaler.state_dict()
     try:
         scaler.load_state_dict({**before, **changes})
@@ -276,7 +248,7 @@ def test_fuzzed_state_dict_contents(changes: dict[str, Any]) -> None:
         event("rejected with ValueError")
         return
     event("loaded, stepped")
-    _steps(scaler)
+    check_real_steps(scaler)
 
 
 ENGINE_ARGS = st.fixed_dictionaries(

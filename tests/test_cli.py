@@ -15,20 +15,16 @@ from typing import Any
 
 import pytest
 import torch
+from _dist import LAUNCHER_VARS, script_env
 
 from distamp.cli import LaunchSpec, build_command, environment_report, main, resolve_launcher
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-LAUNCHER_VARS = re.compile(
-    r"(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK)$"
-    r"|(MASTER|TORCHELASTIC|SLURM|OMPI_COMM_WORLD|PMI|PMIX|MPI_LOCAL|MV2_COMM_WORLD|DISTAMP)_"
-)
 
 
 def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.match(k)}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = script_env()
     env["ALLREDUCE_BACKEND"] = "gloo"  # the launch is under test, not NCCL: ranks may share a GPU
     return env
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _dist import script_env
 
 from distamp.cluster.supervise import child_pids
 
@@ -27,17 +27,11 @@ REPO = Path(__file__).resolve().parents[1]
 SLEEPER = "tests/scripts/sleeper.py"
 START_S = 60.0  # two ranks importing torch on a loaded 2-core machine: a few seconds, usually
 END_S = 30.0  # from the signal to the launcher's exit
-LAUNCHER_VARS = re.compile(
-    r"(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK)$"
-    r"|(MASTER|TORCHELASTIC|SLURM|OMPI_COMM_WORLD|PMI|PMIX|MPI_LOCAL|MV2_COMM_WORLD|DISTAMP)_"
-)
 
 
 def _env() -> dict[str, str]:
     """This environment without a launcher's variables (the test may itself run under one)."""
-    env = {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.match(k)}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
+    return script_env()
 
 
 def _name(value: object) -> str:

@@ -18,7 +18,6 @@ The property tests run under the ``ci`` hypothesis profile (derandomized); befor
 
 from __future__ import annotations
 
-import io
 import math
 from typing import Any
 
@@ -29,9 +28,10 @@ import torch.distributed as dist
 from _dist import run_ranks
 from hypothesis import event, example, given
 from hypothesis import strategies as st
+from scaler_scenarios import check_real_steps
 from torch import nn
 
-from distamp import DistributedGradScaler, ScaleUnderflowError
+from distamp import DistributedGradScaler
 
 F32 = torch.finfo(torch.float32)
 SETTERS = {
@@ -57,30 +57,6 @@ def _clean_steps(scaler: Any, n: int) -> list[float]:
         _step(scaler, model, opt, overflow=False)
         scales.append(scaler.get_scale())
     return scales
-
-
-def _train(scaler: DistributedGradScaler, overflows: int = 3) -> None:
-    """Five real steps, ``overflows`` of them overflowing: the scale stays a normal float32 and
-    the weights finite (the only error allowed: ScaleUnderflowError, the scale at its floor)."""
-    model = nn.Linear(3, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    if not scaler.is_enabled():
-        overflows = 0  # disabled: plain fp32 training, an inf loss would be the caller's NaN
-    for k in range(overflows + 2):
-        try:
-            _step(scaler, model, opt, overflow=0 < k <= overflows)
-            scale = scaler.get_scale()
-        except ScaleUnderflowError:
-            event("ScaleUnderflowError at the floor")
-            scale = scaler.state_dict().get("scale", 1.0)
-        assert F32.tiny <= scale <= F32.max, f"scale {scale!r} left normal float32"
-        assert all(torch.isfinite(p).all() for p in model.parameters())
-    sd = scaler.state_dict()
-    assert all(v is None or type(v) in (int, float) for v in sd.values()), sd
-    buffer = io.BytesIO()
-    torch.save(sd, buffer)
-    buffer.seek(0)
-    assert torch.load(buffer, weights_only=True) == sd
 
 
 # ---------------------------------------------------------------------------- torch's setters
@@ -135,7 +111,7 @@ def test_setters_take_numbers_as_torch_does(setter: str, value: Any, stored: Any
     getattr(scaler, setter)(value)
     kept = scaler.state_dict()[SETTERS[setter][1]]
     assert kept == stored and type(kept) is type(stored)  # plain numbers: weights_only loads
-    _train(scaler)
+    check_real_steps(scaler)
 
 
 def _setter_run(scaler: Any) -> list[float]:
@@ -492,7 +468,7 @@ def test_fuzzed_setters(call: tuple[str, Any], kwargs: dict[str, Any]) -> None:
         return
     event("accepted, stepped")
     assert type(scaler.state_dict()[SETTERS[setter][1]]) in (int, float)
-    _train(scaler)
+    check_real_steps(scaler)
 
 
 @given(
@@ -532,4 +508,4 @@ def test_fuzzed_tracker_states(
     event("loaded, stepped")
     due = interval - tracker
     assert _clean_steps(scaler, due) == [2.0**10] * (due - 1) + [2.0**11]
-    _train(scaler)
+    check_real_steps(scaler)
