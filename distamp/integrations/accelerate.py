@@ -20,8 +20,9 @@ through an Accelerate *public* method that it overrides and then calls:
   round-trips under FSDP2 as well.
 
 The attributes it relies on (``Accelerator.scaler``, ``native_amp``, ``scaler_handler``,
-``AcceleratedOptimizer.scaler``/``gradient_state``) were checked on the versions in
-:data:`SUPPORTED`; other versions are refused at import with the range in the message.
+``AcceleratedOptimizer.scaler``/``gradient_state``) were checked on the releases in
+:data:`SUPPORTED`; older ones are refused at import with the window in the message, newer ones
+warn.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from typing import Any
 
 import torch
 
-from distamp.integrations import check_version
+from distamp.versions import WINDOWS, check_version
 
-SUPPORTED = ("1.15.0", "1.16")
-"""Accelerate versions this adapter was tested with: ``>= SUPPORTED[0], < SUPPORTED[1]``."""
+SUPPORTED = WINDOWS["accelerate"]
+"""The Accelerate releases this adapter was verified with (see :mod:`distamp.versions`)."""
 
-ACCELERATE_VERSION = check_version("accelerate", *SUPPORTED, extra="accelerate")
+ACCELERATE_VERSION = check_version("accelerate")
 
 from accelerate import Accelerator  # noqa: E402  (only after the version check)
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402

@@ -19,7 +19,7 @@ The Trainer's plugins, :class:`DistAMPTrainerPrecision` and :class:`DistAMPFSDPP
 :mod:`distamp.integrations.lightning_trainer` and :mod:`distamp.integrations.lightning_fsdp`, and
 are importable from here too.
 
-Tested with the versions in :data:`SUPPORTED`; others are refused at import.
+Verified with the releases in :data:`SUPPORTED`; older ones are refused at import, newer ones warn.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from distamp.integrations import lightning_version
 
 SUPPORTED = lightning_version.SUPPORTED
-"""Lightning versions this adapter was tested with: ``>= SUPPORTED[0], < SUPPORTED[1]``."""
+"""The Lightning releases this adapter was verified with (see :mod:`distamp.versions`)."""
 
 LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked the version
 

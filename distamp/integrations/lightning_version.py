@@ -7,11 +7,11 @@ one another.
 
 from __future__ import annotations
 
-from distamp.integrations import check_version
+from distamp.versions import WINDOWS, check_version
 
 __all__ = ["LIGHTNING_VERSION", "SUPPORTED"]
 
-SUPPORTED = ("2.6.0", "2.7")
-"""Lightning versions the adapters were tested with: ``>= SUPPORTED[0], < SUPPORTED[1]``."""
+SUPPORTED = WINDOWS["lightning"]
+"""The Lightning releases the adapters were verified with (see :mod:`distamp.versions`)."""
 
-LIGHTNING_VERSION = check_version("lightning", *SUPPORTED, extra="lightning")
+LIGHTNING_VERSION = check_version("lightning")

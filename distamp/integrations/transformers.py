@@ -31,7 +31,8 @@ calls it after clipping (or after computing the norm, which it does even without
 that pass is where the ranks agree on the skip; a later edit on one rank is not seen by the
 others. Edit gradients in ``training_step`` (after ``super().training_step``) instead.
 
-Seams used, checked on the versions in :data:`SUPPORTED` (others are refused at import):
+Seams used, checked on the releases in :data:`SUPPORTED` (older ones are refused at import,
+newer ones warn):
 ``Trainer._build_accelerator_args`` (the accelerator's arguments), the ``accelerator`` and
 ``gather_function`` attributes set by ``create_accelerator_and_postprocess``, and ``log``.
 """
@@ -42,12 +43,12 @@ import functools
 import inspect
 from typing import Any, TypeVar
 
-from distamp.integrations import check_version
+from distamp.versions import WINDOWS, check_version
 
-SUPPORTED = ("5.23.0", "5.24")
-"""transformers versions this adapter was tested with: ``>= SUPPORTED[0], < SUPPORTED[1]``."""
+SUPPORTED = WINDOWS["transformers"]
+"""The transformers releases this adapter was verified with (see :mod:`distamp.versions`)."""
 
-TRANSFORMERS_VERSION = check_version("transformers", *SUPPORTED, extra="transformers")
+TRANSFORMERS_VERSION = check_version("transformers")
 
 from transformers import Trainer  # noqa: E402  (only after the version check)
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from distamp.parallel.reduction import ExternalGroup
+from distamp.versions import WINDOWS, check_version
 
 __all__ = [
     "SUPPORTED_TORCHFT",
@@ -51,7 +52,7 @@ __all__ = [
     "wrap_replicas",
 ]
 
-SUPPORTED_TORCHFT = ((0, 2), (0, 3))  # [lower, upper): the releases this module was tested with
+SUPPORTED_TORCHFT = WINDOWS["torchft"]  # the releases this module was verified with
 STATE_KEY = "distamp_scaler"  # the key of the scaler's state among the manager's state dicts
 
 
@@ -119,22 +120,16 @@ class QuorumSchedule:
 
 
 def check_torchft_version() -> str:
-    """The installed torchft release; ``ImportError`` naming the supported range otherwise."""
+    """The installed torchft release, judged by :data:`SUPPORTED_TORCHFT`'s rule
+    (:func:`distamp.versions.check_version`): ``ImportError`` naming the window if older or a
+    known break, a warning if newer than verified."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         found = version("torchft")
-    except PackageNotFoundError:  # a source checkout without metadata: trust it
+    except PackageNotFoundError:  # a Manager exists: a source checkout without metadata, trust it
         return "unknown"
-    parts = tuple(int(p) for p in found.split(".")[:2] if p.isdigit())
-    low, high = SUPPORTED_TORCHFT
-    if not low <= parts < high:
-        raise ImportError(
-            f"torchft {found} is installed; distamp's fault tolerance supports torchft "
-            f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}: install "
-            "`distamp[torchft]` (pip install 'torchft>=0.2,<0.3')"
-        )
-    return found
+    return check_version("torchft", installed=found)
 
 
 class ManagerGroup(ExternalGroup):

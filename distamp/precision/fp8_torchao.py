@@ -2,7 +2,8 @@
 to install, and whether this machine runs float8 GEMMs at all.
 
 torchao is imported lazily (:func:`require_torchao`), so ``import distamp`` works without it; the
-tested range is :data:`TORCHAO_RANGE` and other versions are refused with the install command.
+verified releases are :data:`TORCHAO_RANGE` (the ``torchao`` row of :mod:`distamp.versions`):
+older ones are refused with the install command, newer ones warn.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
-import re
 from contextlib import contextmanager
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
+from packaging.version import Version
+
+from distamp.versions import WINDOWS, check_version
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -28,15 +31,16 @@ __all__ = [
     "torchao_version_tested",
 ]
 
-TORCHAO_RANGE = ((0, 18), (0, 19))
-"""torchao versions distamp was tested with: ``>=0.18,<0.19`` (as the ``fp8`` extra pins)."""
+TORCHAO_RANGE = WINDOWS["torchao"]
+"""The torchao releases distamp was verified with (see :mod:`distamp.versions`)."""
 
 
 def torchao_version_tested(version: str) -> bool:
-    """Whether torchao ``version`` (e.g. ``"0.18.0"``, ``"0.18.1+cu128"``) is in
-    :data:`TORCHAO_RANGE`."""
-    lo, hi = TORCHAO_RANGE
-    return lo <= tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3]) < hi
+    """Whether torchao ``version`` (e.g. ``"0.18.0"``, ``"0.18.0+cu128"``) lies in
+    :data:`TORCHAO_RANGE`: what ``distamp env`` reports. A newer release is still accepted by
+    :func:`require_torchao` (with a warning); this says only whether it was verified."""
+    found = Version(Version(version).public)
+    return Version(TORCHAO_RANGE.floor) <= found <= Version(TORCHAO_RANGE.newest)
 
 
 @contextmanager
@@ -57,20 +61,13 @@ def require_torchao() -> ModuleType:
     """Import ``torchao.float8`` or explain what to install.
 
     Raises:
-        ImportError: torchao is not installed, or its version is outside :data:`TORCHAO_RANGE`.
+        ImportError: torchao is not installed, older than :data:`TORCHAO_RANGE` or a known
+            break (float8 APIs change between releases).
     """
-    lo, hi = TORCHAO_RANGE
-    wanted = f">={'.'.join(map(str, lo))},<{'.'.join(map(str, hi))}"
-    install = f'pip install "distamp[fp8]" (torchao{wanted})'
     try:
-        version = importlib.metadata.version("torchao")
-    except importlib.metadata.PackageNotFoundError:
-        raise ImportError(f"precision='fp8' needs torchao: {install}") from None
-    if not torchao_version_tested(version):
-        raise ImportError(
-            f"precision='fp8': torchao {version} is installed, distamp is tested with "
-            f"torchao{wanted} (float8 APIs change between releases): {install}"
-        )
+        check_version("torchao")
+    except ImportError as e:
+        raise ImportError(f"precision='fp8': {e}") from e.__cause__
     with _quiet_torchao_import():
         return importlib.import_module("torchao.float8")
 

@@ -1,0 +1,143 @@
+"""The verified windows of the optional frameworks (distamp.versions): the rule with fake version
+strings (no installs, no network), and pyproject.toml's extras declaring the table's floors."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from distamp.versions import (
+    WINDOWS,
+    KnownBreak,
+    UnverifiedVersionWarning,
+    Window,
+    check_version,
+    install_command,
+)
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def _extras() -> dict[str, list[Requirement]]:
+    if sys.version_info < (3, 11):
+        pytest.skip("tomllib is in the standard library from Python 3.11")
+    import tomllib
+
+    with PYPROJECT.open("rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    return {name: [Requirement(r) for r in reqs] for name, reqs in extras.items()}
+
+
+@pytest.mark.parametrize("package", sorted(WINDOWS))
+def test_older_than_the_floor_is_refused_with_the_install_command(package: str) -> None:
+    window = WINDOWS[package]
+    floor = Version(window.floor)
+    older = f"{floor.major}.{floor.minor}.0rc1" if floor.micro == 0 else f"{floor.major}.0.0"
+    with pytest.raises(ImportError) as e:
+        check_version(package, installed=older)
+    message = str(e.value)
+    assert f"{package} {older} is older" in message
+    assert window.describe() in message
+    assert f'pip install -e ".[{window.extra}]"' in message
+
+
+@pytest.mark.parametrize("package", sorted(WINDOWS))
+def test_the_window_itself_is_accepted_silently(package: str) -> None:
+    window = WINDOWS[package]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for release in (window.floor, window.newest, f"{window.newest}+cu128"):
+            assert check_version(package, installed=release) == release
+
+
+def test_newer_than_verified_warns_once_naming_the_window() -> None:
+    window = WINDOWS["transformers"]
+    newer = f"{Version(window.newest).major + 1}.0.0"
+    with pytest.warns(UnverifiedVersionWarning, match="newer than") as caught:
+        assert check_version("transformers", installed=newer) == newer
+    message = str(caught[0].message)
+    assert window.describe() in message
+    assert f'pip install "transformers=={window.newest}"' in message
+    assert issubclass(UnverifiedVersionWarning, UserWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_version("transformers", installed=newer)  # once per process and version
+
+
+def test_a_known_break_is_refused_naming_it_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    breaks = (
+        KnownBreak(specifier="==5.30.0", reason="Trainer no longer builds its accelerator"),
+        KnownBreak(specifier=">=5.31,<5.32", reason="scaler attribute renamed", fix="upgrade"),
+    )
+    window = Window(
+        package="transformers", extra="transformers", floor="5.23.0", newest="5.24.0", breaks=breaks
+    )
+    monkeypatch.setitem(WINDOWS, "transformers", window)
+    with pytest.raises(ImportError, match=r"5\.30\.0 is a known break .*==5\.30\.0.*builds") as e:
+        check_version("transformers", installed="5.30.0")
+    assert 'pip install "transformers==5.24.0"' in str(e.value)
+    with pytest.raises(ImportError, match=r"scaler attribute renamed\. Fix: upgrade"):
+        check_version("transformers", installed="5.31.2rc1")
+    with pytest.warns(UnverifiedVersionWarning):
+        check_version("transformers", installed="5.30.1")
+
+
+def test_a_missing_package_is_refused_with_the_install_command(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    window = Window(package="distamp-no-such-package", extra="nothing", floor="1.0", newest="1.0")
+    monkeypatch.setitem(WINDOWS, window.package, window)
+    with pytest.raises(ImportError, match="is not installed") as e:
+        check_version(window.package)
+    assert install_command(window) in str(e.value)
+
+
+def test_an_unparseable_version_is_refused() -> None:
+    with pytest.raises(ImportError, match="not a PEP 440 version"):
+        check_version("torchao", installed="not-a-version")
+
+
+def test_the_table_is_well_formed() -> None:
+    for name, window in WINDOWS.items():
+        assert name == window.package
+        assert Version(window.floor) <= Version(window.newest)
+    with pytest.raises(AssertionError, match="floor"):
+        Window(package="x", extra="x", floor="2.0", newest="1.0")
+    with pytest.raises(ValueError):
+        KnownBreak(specifier="5.30", reason="not a specifier")
+
+
+def test_every_extra_declares_the_tables_floor_and_no_cap() -> None:
+    """The extras and the import-time check read the same floors, so they cannot drift."""
+    seen: set[str] = set()
+    for extra, requirements in _extras().items():
+        for req in requirements:
+            if req.name not in WINDOWS:
+                continue
+            seen.add(req.name)
+            specs = list(req.specifier)
+            assert [s.operator for s in specs] == [">="], (
+                f"pyproject.toml [{extra}] {req}: declare only the floor (>=), no upper bound"
+            )
+            assert Version(specs[0].version) == Version(WINDOWS[req.name].floor), (
+                f"pyproject.toml [{extra}] {req}: the floor in distamp/versions.py is "
+                f"{WINDOWS[req.name].floor}"
+            )
+    assert seen == set(WINDOWS)
+
+
+def test_every_window_names_an_extra_that_installs_it() -> None:
+    extras = _extras()
+    for window in WINDOWS.values():
+        assert window.package in {r.name for r in extras[window.extra]}, window
+
+
+def test_dev_installs_every_extra_with_a_window() -> None:
+    dev = next(r for r in _extras()["dev"] if r.name == "distamp")
+    covered = {req.name for extra in dev.extras for req in _extras()[extra]}
+    assert set(WINDOWS) <= covered
