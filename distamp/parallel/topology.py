@@ -241,7 +241,7 @@ def _fsdp1_replica_group(module: Any) -> Any:
     FSDP1 keeps its hybrid strategies and that group in private names (the ZeRO-2 hybrid is
     ``ShardingStrategy._HYBRID_SHARD_ZERO2``, the group ``_inter_node_pg``) with no public
     accessor; the ranks cannot be derived from the world layout, since a user may pass their
-    own ``(intra, inter)`` groups. Checked on torch 2.4 - 2.13. The only place they are read.
+    own ``(intra, inter)`` groups. Checked on torch 2.13 only. The only place they are read.
     """
     from torch.distributed.fsdp import ShardingStrategy
 
