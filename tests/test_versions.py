@@ -141,3 +141,10 @@ def test_dev_installs_every_extra_with_a_window() -> None:
     dev = next(r for r in _extras()["dev"] if r.name == "distamp")
     covered = {req.name for extra in dev.extras for req in _extras()[extra]}
     assert set(WINDOWS) <= covered
+
+
+def test_the_readme_table_shows_the_windows() -> None:
+    readme = (PYPROJECT.parent / "README.md").read_text(encoding="utf-8")
+    for window in WINDOWS.values():
+        row = f"| {window.package} | `{window.extra}` | {window.floor} | {window.newest} |"
+        assert row in readme, f"README.md's 'Supported versions' table should show {row}"
