@@ -17,9 +17,10 @@ from hypothesis import event, example, given
 from hypothesis import strategies as st
 from torch import nn
 
-from distamp import DistAMP, DistributedGradScaler, ScaleUnderflowError
+from distamp import AutocastPolicy, DistAMP, DistributedGradScaler, ScaleUnderflowError
 from distamp.cluster import SettingsMismatchError
 from distamp.engine.checkpoint import CheckpointError
+from distamp.precision.adaptive import AdaptiveRules
 
 
 def _model(width: int = 8) -> nn.Module:
@@ -255,6 +256,12 @@ _MISMATCHES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
     "grad_accum": ({"grad_accum_steps": 2}, {"grad_accum_steps": 1}, "grad_accum_steps"),
     "strategy": ({"strategy": "ddp"}, {"strategy": "fsdp2"}, "strategy"),
     "policy": ({"policy": "default"}, {}, "policy"),
+    "rules": (
+        {"policy": AutocastPolicy("fp16", adaptive=True)},
+        {"policy": AutocastPolicy("fp16", adaptive=AdaptiveRules(interval=5))},
+        "policy.adaptive",
+    ),
+    "comm_hook": ({"comm_hook": "fp16"}, {}, "comm_hook"),
 }
 
 
@@ -506,3 +513,20 @@ def test_accelerate_clip_with_infinite_max_norm_reads_the_norm_only() -> None:
     assert torch.allclose(torch.as_tensor(norm, dtype=torch.float32), grads.norm(), rtol=1e-4)
     opt.step()
     assert not acc.optimizer_step_was_skipped
+
+
+def _accelerate_rank(rank: int, world: int) -> str:
+    from distamp.integrations.accelerate import DistAMPAccelerator
+
+    try:
+        DistAMPAccelerator(mixed_precision="fp16" if rank == 0 else "bf16", cpu=True)
+    except SettingsMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_accelerate_ranks_built_differently_fail_at_construction() -> None:
+    pytest.importorskip("accelerate")
+    messages = run_ranks(_accelerate_rank, 2, timeout=60)
+    assert all("precision: ranks 0: 'fp16'; ranks 1: 'bf16'" in m for m in messages), messages
