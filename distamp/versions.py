@@ -79,15 +79,19 @@ class Window:
 
 
 # Each row was verified by running the integration's tests (tests/test_<integration>.py) with
-# torch 2.13 on the CPU, with the floor and with the newest release installed.
+# torch 2.13 on the CPU, with the floor and with the newest release installed. Why some floors
+# are not older: lightning < 2.6.4's FSDP precision plugin builds the module under
+# ``mixed_precision_config.param_dtype``, which is ``None`` when autocast owns mixed precision
+# (failed in tests/test_lightning_trainer.py with 2.6.0); torchft 0.1.1 imports
+# ``torch.distributed.ProcessGroupNCCL``, which torch 2.13's CPU build lacks.
 WINDOWS: dict[str, Window] = {
     w.package: w
     for w in (
-        Window(package="transformers", extra="transformers", floor="5.23.0", newest="5.24.0"),
-        Window(package="accelerate", extra="accelerate", floor="1.15.0", newest="1.15.0"),
-        Window(package="lightning", extra="lightning", floor="2.6.0", newest="2.6.6"),
-        Window(package="torchao", extra="fp8", floor="0.18.0", newest="0.18.0"),
-        Window(package="ray", extra="ray", floor="2.60.0", newest="2.60.0"),
+        Window(package="transformers", extra="transformers", floor="5.22.2", newest="5.24.0"),
+        Window(package="accelerate", extra="accelerate", floor="1.14.0", newest="1.15.0"),
+        Window(package="lightning", extra="lightning", floor="2.6.4", newest="2.6.6"),
+        Window(package="torchao", extra="fp8", floor="0.17.0", newest="0.18.0"),
+        Window(package="ray", extra="ray", floor="2.59.0", newest="2.60.0"),
         Window(package="torchft", extra="torchft", floor="0.2.0", newest="0.2.0"),
     )
 }

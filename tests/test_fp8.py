@@ -99,7 +99,7 @@ def test_precision_and_policy_options() -> None:
     with pytest.raises(ValueError, match="fp8"):
         DistAMP(precision="fp8", policy=AutocastPolicy("bf16"))
     assert torchao_version_tested("0.18.0") and torchao_version_tested("0.18.0+cpu")
-    assert not torchao_version_tested("0.17.9") and not torchao_version_tested("0.19.0")
+    assert not torchao_version_tested("0.16.1") and not torchao_version_tested("0.19.0")
 
 
 def test_audit_lists_fp8_and_excluded_layers() -> None:
