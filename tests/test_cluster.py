@@ -488,7 +488,7 @@ def test_watchdog_ends_a_hang() -> None:
 def test_mpi_without_address_needs_mpi4py(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `import mpi4py` fail
     env = DistEnv("openmpi", 0, 2, 0, 2, 0, None, None)
-    with pytest.raises(ImportError, match=r"pip install distamp\[mpi\].*MASTER_ADDR"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[mpi\]'.*MASTER_ADDR"):
         init_distributed(env)
 
 

@@ -41,8 +41,9 @@ def share_main_address(env: DistEnv) -> DistEnv:
     except ImportError as exc:
         raise ImportError(
             f"launcher {env.launcher!r} does not say where rank 0 listens, and mpi4py (used to ask "
-            "rank 0) is not installed: `pip install distamp[mpi]`, or set MASTER_ADDR and "
-            "MASTER_PORT for every rank (mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=...)"
+            "rank 0) is not installed: `pip install -e '.[mpi]'` (from a distamp checkout), or "
+            "set MASTER_ADDR and MASTER_PORT for every rank (mpirun -x MASTER_ADDR=<host of "
+            "rank 0> -x MASTER_PORT=...)"
         ) from exc
     comm = MPI.COMM_WORLD
     if (comm.Get_rank(), comm.Get_size()) != (env.rank, env.world_size):

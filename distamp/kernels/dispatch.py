@@ -137,7 +137,8 @@ def _run(
         if mod is None:
             raise ImportError(
                 f"backend='triton' was requested but Triton cannot be used ({_triton_error!r}); "
-                "install it (pip install 'distamp[triton]') or use backend='torch'"
+                "install it (pip install -e '.[triton]' from a distamp checkout) or use "
+                "backend='torch'"
             ) from _triton_error
         return mod.unscale_check_sumsq_triton_(
             grads,

@@ -179,8 +179,8 @@ def _json_value(value: Any) -> Any:
 
 class TensorBoardWriter:
     """One scalar per numeric metric, tagged ``{prefix}/{name}``, through TensorBoard's
-    ``SummaryWriter`` (``pip install "distamp[tensorboard]"``). ``None`` and non-numeric values
-    are left out: TensorBoard scalars must be numbers.
+    ``SummaryWriter`` (``pip install -e ".[tensorboard]"`` from a checkout). ``None`` and
+    non-numeric values are left out: TensorBoard scalars must be numbers.
 
     Args:
         log_dir: the run folder TensorBoard reads.
@@ -202,8 +202,8 @@ class TensorBoardWriter:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # torch's module imports the tensorboard package itself
             raise ImportError(
-                "TensorBoardWriter needs the tensorboard package: pip install "
-                "'distamp[tensorboard]' (or use the default JSONLWriter)"
+                "TensorBoardWriter needs the tensorboard package: pip install -e "
+                "'.[tensorboard]' from a distamp checkout (or use the default JSONLWriter)"
             ) from e
         self._writer = SummaryWriter(log_dir=str(log_dir))
 
