@@ -1,0 +1,81 @@
+"""The compatibility stage: distamp against the oldest releases of its support windows.
+
+The README's install takes the newest release of every framework, so the main test run covers
+the top of each window (:data:`distamp.versions.WINDOWS`); these sessions cover the bottom. Each
+builds a fresh environment with uv (torch pinned, distamp editable, the framework at its floor)
+and runs that framework's integration tests. A floor that stops working shows up as a red session
+naming the package and the release.
+
+    nox -s floors                 # every window whose floor is older than its newest release
+    nox -s "floors(package='lightning')"
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+TORCH = "torch==2.13.0"
+# The CPU build where a local wheel directory serves it (as on the CI machines); without the
+# constraint uv may resolve the CUDA build of the same release.
+LOCAL_WHEELS = Path("/opt/wheels")
+TESTS = {
+    "transformers": ["tests/test_transformers.py"],
+    "accelerate": ["tests/test_accelerate.py"],
+    "lightning": ["tests/test_lightning.py", "tests/test_lightning_trainer.py"],
+    "torchao": ["tests/test_fp8.py"],
+    "ray": ["tests/test_ray.py"],
+    "torchft": ["tests/test_torchft.py"],
+}
+# Installed next to the framework: what the tests import besides it.
+TEST_TOOLS = ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "numpy>=1.22", "packaging>=22"]
+SHOW_VERSION = "import importlib.metadata as m; print('{package}', m.version('{package}'))"
+EXTRA_REQUIREMENTS = {"ray": ["ray[train]"], "transformers": ["accelerate"]}
+
+nox.options.default_venv_backend = "uv"
+
+
+def _windows() -> dict[str, object]:
+    """distamp.versions.WINDOWS, read without importing distamp (which imports torch)."""
+    spec = importlib.util.spec_from_file_location("_windows", ROOT / "distamp" / "versions.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return dict(module.WINDOWS)
+
+
+def _floors() -> list[str]:
+    return [name for name, w in _windows().items() if w.floor != w.newest]  # type: ignore[attr-defined]
+
+
+def _torch() -> list[str]:
+    cpu = sorted(LOCAL_WHEELS.glob("torch-2.13.0+cpu-*.whl")) if LOCAL_WHEELS.is_dir() else []
+    return [str(cpu[0])] if cpu else [TORCH]
+
+
+@nox.session(python=None)  # the interpreter that runs nox
+@nox.parametrize("package", _floors())
+def floors(session: nox.Session, package: str) -> None:
+    """The integration tests of ``package`` at the floor of its window."""
+    window = _windows()[package]
+    floor = f"{package}=={window.floor}"  # type: ignore[attr-defined]
+    if package == "ray":
+        floor = f"ray[train]=={window.floor}"  # type: ignore[attr-defined]
+    extras = [r for r in EXTRA_REQUIREMENTS.get(package, []) if not r.startswith(package)]
+    session.install(*_torch(), *TEST_TOOLS)
+    session.install("--no-deps", "-e", str(ROOT))
+    session.install(floor, *extras, *_torch())  # torch named again: never another build
+    session.run(
+        "python",
+        "-c",
+        f"import importlib.metadata as m; print('{package}', m.version('{package}'))",
+    )
+    session.run(
+        "python", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS[package],
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
