@@ -34,7 +34,8 @@ TESTS = {
 # Installed next to the framework: what the tests import besides it.
 TEST_TOOLS = ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "numpy>=1.22", "packaging>=22"]
 SHOW_VERSION = "import importlib.metadata as m; print('{package}', m.version('{package}'))"
-EXTRA_REQUIREMENTS = {"ray": ["ray[train]"], "transformers": ["accelerate"]}
+REQUIREMENT = {"ray": "ray[train]"}  # the name to pin when the tests need an extra of it
+ALSO = {"transformers": ["accelerate"]}  # what the tests import next to the framework
 
 nox.options.default_venv_backend = "uv"
 
@@ -63,18 +64,11 @@ def _torch() -> list[str]:
 def floors(session: nox.Session, package: str) -> None:
     """The integration tests of ``package`` at the floor of its window."""
     window = _windows()[package]
-    floor = f"{package}=={window.floor}"  # type: ignore[attr-defined]
-    if package == "ray":
-        floor = f"ray[train]=={window.floor}"  # type: ignore[attr-defined]
-    extras = [r for r in EXTRA_REQUIREMENTS.get(package, []) if not r.startswith(package)]
+    floor = f"{REQUIREMENT.get(package, package)}=={window.floor}"  # type: ignore[attr-defined]
     session.install(*_torch(), *TEST_TOOLS)
     session.install("--no-deps", "-e", str(ROOT))
-    session.install(floor, *extras, *_torch())  # torch named again: never another build
-    session.run(
-        "python",
-        "-c",
-        f"import importlib.metadata as m; print('{package}', m.version('{package}'))",
-    )
+    session.install(floor, *ALSO.get(package, []), *_torch())  # torch again: never another build
+    session.run("python", "-c", SHOW_VERSION.format(package=package))
     session.run(
         "python", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS[package],
         env={"OMP_NUM_THREADS": "1"},

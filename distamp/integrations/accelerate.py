@@ -159,7 +159,7 @@ class DistAMPAccelerator(Accelerator):
             if fp16:
                 self.native_amp = True
             self.scaler = scaler
-        self.register_load_state_pre_hook(self._remember_load_dir)
+        self.register_load_state_pre_hook(self._check_scaler_file)
         agree_plugin_settings(  # one collective, now: ranks built differently fail here
             type(self).__name__, precision=str(mode), scaler=self.scaler, policy=policy,
             trust_ddp_sync=self.trust_ddp_sync, distributed_type=str(self.distributed_type),
@@ -263,7 +263,7 @@ class DistAMPAccelerator(Accelerator):
         return self.amp_metrics.compute(self.scaler)
 
     # ------------------------------------------------------------------ state
-    def _remember_load_dir(self, _models: list[Any], input_dir: str) -> None:
+    def _check_scaler_file(self, _models: list[Any], input_dir: str) -> None:
         """Before Accelerate loads anything: read and check the scaler's file, so that a bad
         one is refused while the model and optimizer are still as they were."""
         self._pending_scaler = None
