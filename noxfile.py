@@ -1,13 +1,19 @@
-"""The compatibility stage: distamp against the oldest releases of its support windows.
+"""The compatibility stage: distamp against the edges of its support windows.
 
-The README's install takes the newest release of every framework, so the main test run covers
-the top of each window (:data:`distamp.versions.WINDOWS`); these sessions cover the bottom. Each
-builds a fresh environment with uv (torch pinned, distamp editable, the framework at its floor)
-and runs that framework's integration tests. A floor that stops working shows up as a red session
-naming the package and the release.
+The README's install takes torch 2.13.0 and the newest release of every framework, so the main
+test run covers the top of each framework window (:data:`distamp.versions.WINDOWS`); these
+sessions cover the rest, each in a fresh uv environment:
+
+- ``floors``: torch pinned, distamp editable, one framework at its floor, that framework's
+  integration tests;
+- ``torch``: the oldest and the newest torch of :data:`distamp.versions.TORCH` (no framework),
+  the core tests and the main job.
+
+A release that stops working shows up as a red session naming the package and the release.
 
     nox -s floors                 # every window whose floor is older than its newest release
     nox -s "floors(package='lightning')"
+    nox -s torch                  # the torch floor and the newest torch
 """
 
 from __future__ import annotations
@@ -33,6 +39,21 @@ TESTS = {
 }
 # Installed next to the framework: what the tests import besides it.
 TEST_TOOLS = ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "numpy>=1.22", "packaging>=22"]
+# What runs on each torch of the window: the scaler, the engine and the parallel layouts, with
+# torch's own scaler tests swapped in (test_scaler_parity), and the internal names.
+TORCH_TESTS = [
+    "tests/test_scaler.py",
+    "tests/test_distributed_scaler.py",
+    "tests/test_scaler_parity.py",
+    "tests/test_clipping.py",
+    "tests/test_bad_input.py",
+    "tests/test_engine.py",
+    "tests/test_nd_parallel.py",
+    "tests/test_policy.py",
+    "tests/test_torch_compat.py",
+    "tests/test_versions.py",
+]
+MAIN_JOB = ["distamp", "launch", "--nproc-per-node", "2", "launch/train.py", "--steps", "20"]
 SHOW_VERSION = "import importlib.metadata as m; print('{package}', m.version('{package}'))"
 REQUIREMENT = {"ray": "ray[train]"}  # the name to pin when the tests need an extra of it
 ALSO = {"transformers": ["accelerate"]}  # what the tests import next to the framework
@@ -40,14 +61,23 @@ ALSO = {"transformers": ["accelerate"]}  # what the tests import next to the fra
 nox.options.default_venv_backend = "uv"
 
 
-def _windows() -> dict[str, object]:
-    """distamp.versions.WINDOWS, read without importing distamp (which imports torch)."""
+def _versions() -> object:
+    """distamp.versions, read without importing distamp (which imports torch)."""
     spec = importlib.util.spec_from_file_location("_windows", ROOT / "distamp" / "versions.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
-    return dict(module.WINDOWS)
+    return module
+
+
+def _windows() -> dict[str, object]:
+    return dict(_versions().WINDOWS)  # type: ignore[attr-defined]
+
+
+def _torch_edges() -> list[str]:
+    window = _versions().TORCH  # type: ignore[attr-defined]
+    return [window.floor, window.newest]
 
 
 def _floors() -> list[str]:
@@ -73,3 +103,16 @@ def floors(session: nox.Session, package: str) -> None:
         "python", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS[package],
         env={"OMP_NUM_THREADS": "1"},
     )  # fmt: skip
+
+
+@nox.session(name="torch", python=None)
+@nox.parametrize("release", _torch_edges())
+def torch_window(session: nox.Session, release: str) -> None:
+    """The core tests and the main job with torch ``release`` (the registry's build: run on the
+    CPU here, so a CUDA build's extra libraries are downloaded but unused)."""
+    session.install(f"torch=={release}", *TEST_TOOLS)
+    session.install("--no-deps", "-e", str(ROOT))
+    session.run("python", "-c", SHOW_VERSION.format(package="torch"))
+    env = {"OMP_NUM_THREADS": "1"}
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *TORCH_TESTS, env=env)
+    session.run(*MAIN_JOB, env=env)

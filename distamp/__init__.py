@@ -5,7 +5,13 @@ raise. Integrations live in :mod:`distamp.integrations` (they import Accelerate 
 the ``distamp`` command lives in :mod:`distamp.cli`. Neither is imported here.
 """
 
+# ruff: noqa: E402  (torch's version is checked before the imports below touch it)
+
 from __future__ import annotations
+
+from distamp.versions import check_torch
+
+check_torch()  # before anything touches torch's internals: an older torch fails here, named
 
 from distamp.cluster import (
     CollectiveTimeoutError,

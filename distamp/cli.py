@@ -28,6 +28,7 @@ from typing import Any
 from distamp.arguments import INT32_MAX  # process counts and ranks end up in torch int32 args
 from distamp.cluster import detect_environment, free_port
 from distamp.cluster.supervise import GRACE_S, run_command, run_torchrun
+from distamp.versions import compatibility_table
 
 __all__ = [
     "LaunchSpec",
@@ -288,6 +289,9 @@ def _parser() -> argparse.ArgumentParser:
     launch.set_defaults(usage_error=launch.error)  # usage errors found after parsing
     report = sub.add_parser("env", help="report versions, launcher and hardware support")
     report.add_argument("--json", action="store_true")
+    sub.add_parser(
+        "versions", help="print the verified releases of torch and each framework (Markdown)"
+    )
     return parser
 
 
@@ -380,6 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         if args.command == "launch":
             return _launch(args)
+        if args.command == "versions":
+            print(compatibility_table(), end="")
+            return 0
     except SystemExit as exc:  # --help, --version and usage errors: argparse already printed
         return exc.code if isinstance(exc.code, int) else 2
     report = environment_report()

@@ -1,10 +1,14 @@
-"""The releases of each optional framework that distamp was verified with, in one table.
+"""The releases of torch and of each optional framework that distamp was verified with.
+
+torch's window (:data:`TORCH`) is checked at ``import distamp``; the features that need a newer
+torch than its floor are listed in :data:`TORCH_FEATURES` and refused up front on an older one
+(:func:`require_torch`).
 
 The integrations reach into a framework's objects (which attribute holds the scaler, which class
 wraps optimizers, which float8 API converts a model); those names are not a stable API. A fixed
 upper pin would refuse every new release although most of them work, so each package has a
 *window*: the oldest release verified (the floor) and the newest release verified. The rule
-:func:`check_version` applies at import:
+:func:`check_version` applies (at import for torch, at an integration's import for the others):
 
 - older than the floor, or not installed: :class:`ImportError` with the install command (the
   extras in ``pyproject.toml`` declare the same floors; ``tests/test_versions.py`` keeps them
@@ -13,7 +17,9 @@ upper pin would refuse every new release although most of them work, so each pac
 - newer than the newest verified: used as is, with one :class:`UnverifiedVersionWarning` per
   package naming the window, so that a failure later is traced to the untested release.
 
-To move a window, run the integration's tests against the new release and edit the table below.
+To move a window, run the tests against the new release (``nox -s floors`` and ``nox -s torch``
+run the floors and the newest torch) and edit the tables below; ``docs/compatibility.md`` is
+generated from them.
 """
 
 from __future__ import annotations
@@ -26,12 +32,18 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 __all__ = [
+    "TORCH",
+    "TORCH_FEATURES",
     "WINDOWS",
     "KnownBreak",
+    "TorchFeature",
     "UnverifiedVersionWarning",
     "Window",
+    "check_torch",
     "check_version",
+    "compatibility_table",
     "install_command",
+    "require_torch",
 ]
 
 
@@ -60,8 +72,9 @@ class Window:
 
     package: str
     """The distribution name, as ``pip`` and :func:`importlib.metadata.version` spell it."""
-    extra: str
-    """The ``pyproject.toml`` extra that installs it (``pip install -e ".[extra]"``)."""
+    extra: str = ""
+    """The ``pyproject.toml`` extra that installs it (``pip install -e ".[extra]"``); empty for
+    a requirement of distamp itself (torch)."""
     floor: str
     """The oldest release verified; older ones are refused. The extra's lower bound."""
     newest: str
@@ -97,12 +110,55 @@ WINDOWS: dict[str, Window] = {
 }
 """Package name -> its verified window. The one place the supported releases are written."""
 
+TORCH = Window(package="torch", floor="2.9.1", newest="2.15.0")
+"""torch's verified window: the core suite and the main job pass on the CPU with the floor, the
+pinned (2.13.0) and the newest release (``nox -s torch``). ``pyproject.toml`` declares the
+floor (``tests/test_versions.py`` keeps them equal). 2.8 is not in it: FSDP2 over gloo sums
+gradients instead of averaging them there (a torch bug: clip norms come out twice too large)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchFeature:
+    """A feature that needs a newer torch than the window's floor, and why."""
+
+    key: str
+    """The name :func:`require_torch` is called with."""
+    feature: str
+    """What the user does, as the docs and the error name it."""
+    since: str
+    """The oldest torch release on which it works."""
+    reason: str
+    """What breaks on older releases."""
+
+
+TORCH_FEATURES: dict[str, TorchFeature] = {
+    f.key: f
+    for f in (
+        TorchFeature(
+            key="pipeline-gloo",
+            feature="pipeline parallelism over gloo (CPU)",
+            since="2.10.0",
+            reason="torch 2.9's pipeline schedules send an int64 tensor into a float32 receive "
+            'buffer, which gloo aborts on ("Received data size doesn\'t match expected size")',
+        ),
+        TorchFeature(
+            key="fp8",
+            feature="precision='fp8' (torchao 0.17 and newer)",
+            since="2.10.0",
+            reason="torchao imports torch.nn.functional.ScalingType, added in torch 2.10",
+        ),
+    )
+}
+"""Feature key -> the torch release it needs. Everything not listed works on the whole window."""
+
 _warned: set[tuple[str, str]] = set()  # (package, version) already warned about in this process
 
 
 def install_command(window: Window) -> str:
     """How to install the package at a verified release: distamp is installed from a checkout
     (it is not on a package registry), so the extra is named on the checkout."""
+    if not window.extra:
+        return f'pip install "{window.package}>={window.floor}"'
     return f'pip install -e ".[{window.extra}]" (from a distamp checkout)'
 
 
@@ -110,7 +166,7 @@ def check_version(package: str, *, installed: str | None = None) -> str:
     """Return the installed version of ``package`` after applying its window's rule.
 
     Args:
-        package: a key of :data:`WINDOWS`.
+        package: a key of :data:`WINDOWS`, or ``"torch"``.
         installed: the version to judge; ``None`` reads the installed distribution's metadata
             (tests pass fake versions here).
 
@@ -118,7 +174,7 @@ def check_version(package: str, *, installed: str | None = None) -> str:
         ImportError: the package is missing, older than its window's floor, or a known break;
             the message names the window, or the break, and the install command.
     """
-    window = WINDOWS[package]
+    window = TORCH if package == "torch" else WINDOWS[package]
     if installed is None:
         try:
             installed = version(package)
@@ -157,3 +213,70 @@ def check_version(package: str, *, installed: str | None = None) -> str:
             stacklevel=2,
         )
     return installed
+
+
+def _release(installed: str | None) -> Version:
+    if installed is None:
+        import torch
+
+        installed = torch.__version__
+    return Version(Version(str(installed)).public)
+
+
+def check_torch(*, installed: str | None = None) -> str:
+    """:func:`check_version` for torch, reading ``torch.__version__`` (what ``import torch``
+    loaded, which may differ from the installed metadata in a source build)."""
+    if installed is None:
+        import torch
+
+        installed = str(torch.__version__)
+    return check_version("torch", installed=installed)
+
+
+def require_torch(key: str, *, installed: str | None = None) -> None:
+    """Refuse a feature of :data:`TORCH_FEATURES` on a torch older than it needs.
+
+    Raises:
+        RuntimeError: naming the feature, the torch in use, what breaks and the fix.
+    """
+    need = TORCH_FEATURES[key]
+    found = _release(installed)
+    if found < Version(need.since):
+        raise RuntimeError(
+            f"{need.feature} needs torch >= {need.since}; this is torch {found}: {need.reason}. "
+            f'Fix: pip install "torch>={need.since}"'
+        )
+
+
+def compatibility_table() -> str:
+    """The windows and the torch features as Markdown: ``docs/compatibility.md`` is this text
+    (``distamp versions > docs/compatibility.md``; a test keeps them equal)."""
+    lines = [
+        "# Compatibility",
+        "",
+        "Generated from `distamp/versions.py` (`distamp versions`); do not edit by hand.",
+        "",
+        "## Verified releases",
+        "",
+        "Older than the floor: refused at import with the install command. Newer than the newest",
+        "verified: used, with one `UnverifiedVersionWarning` naming the window.",
+        "",
+        "| package | extra | floor | newest verified | known breaks |",
+        "|---|---|---|---|---|",
+    ]
+    for w in (TORCH, *WINDOWS.values()):
+        extra = f"`{w.extra}`" if w.extra else "(required)"
+        breaks = "; ".join(f"`{b.specifier}`: {b.reason}" for b in w.breaks) or "none"
+        lines.append(f"| {w.package} | {extra} | {w.floor} | {w.newest} | {breaks} |")
+    lines += [
+        "",
+        "## Features that need a newer torch than the floor",
+        "",
+        "Refused up front on an older torch, with the reason and the fix. Every other feature",
+        f"works on the whole torch window ({TORCH.describe()}).",
+        "",
+        "| feature | torch | why |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {f.feature} | >= {f.since} | {f.reason} |" for f in TORCH_FEATURES.values()]
+    return "\n".join(lines) + "\n"

@@ -364,6 +364,13 @@ def test_base_image_is_a_pinned_cuda_pytorch_tag() -> None:
     )
     assert m, f"{image}: want pytorch/pytorch:<version>-cuda<x.y>-cudnn<z>-runtime"
     assert tuple(int(p) for p in m[1].split(".")) >= (2, 9), "torchrun forwards SIGUSR1 from 2.9"
+    from packaging.version import Version
+
+    from distamp.versions import TORCH
+
+    assert Version(TORCH.floor) <= Version(m[1]) <= Version(TORCH.newest), (
+        f"{image}: the image's torch is outside distamp's verified window ({TORCH.describe()})"
+    )
 
 
 def test_runs_as_a_fixed_non_root_user() -> None:

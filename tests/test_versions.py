@@ -3,6 +3,7 @@ strings (no installs, no network), and pyproject.toml's extras declaring the tab
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import warnings
 from pathlib import Path
@@ -12,12 +13,17 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from distamp.versions import (
+    TORCH,
+    TORCH_FEATURES,
     WINDOWS,
     KnownBreak,
     UnverifiedVersionWarning,
     Window,
+    check_torch,
     check_version,
+    compatibility_table,
     install_command,
+    require_torch,
 )
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
@@ -143,8 +149,87 @@ def test_dev_installs_every_extra_with_a_window() -> None:
     assert set(WINDOWS) <= covered
 
 
-def test_the_readme_table_shows_the_windows() -> None:
+def test_the_docs_table_is_generated_from_the_code_table() -> None:
+    """docs/compatibility.md is ``distamp versions``' output, so the two cannot drift."""
+    docs = (PYPROJECT.parent / "docs" / "compatibility.md").read_text(encoding="utf-8")
+    assert docs == compatibility_table(), "regenerate it: distamp versions > docs/compatibility.md"
+    for window in (TORCH, *WINDOWS.values()):
+        assert f" | {window.floor} | {window.newest} | " in docs, window.package
     readme = (PYPROJECT.parent / "README.md").read_text(encoding="utf-8")
-    for window in WINDOWS.values():
-        row = f"| {window.package} | `{window.extra}` | {window.floor} | {window.newest} |"
-        assert row in readme, f"README.md's 'Supported versions' table should show {row}"
+    assert "(docs/compatibility.md)" in readme
+    assert f"torch {TORCH.floor} to {TORCH.newest}" in readme
+
+
+def test_the_cli_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from distamp.cli import main
+
+    assert main(["versions"]) == 0
+    assert capsys.readouterr().out == compatibility_table()
+
+
+def _torch_requirement() -> Requirement:
+    if sys.version_info < (3, 11):
+        pytest.skip("tomllib is in the standard library from Python 3.11")
+    import tomllib
+
+    with PYPROJECT.open("rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    return next(Requirement(r) for r in deps if Requirement(r).name == "torch")
+
+
+def test_pyproject_requires_the_torch_floor_and_no_cap() -> None:
+    specs = list(_torch_requirement().specifier)
+    assert [(s.operator, s.version) for s in specs] == [(">=", TORCH.floor)]
+
+
+def test_the_running_torch_is_inside_its_window() -> None:
+    """The torch this suite runs on (the pin, or a compatibility session's) passes the check
+    ``import distamp`` applies, without a warning inside the window."""
+    import torch
+
+    found = Version(Version(torch.__version__).public)
+    assert Version(TORCH.floor) <= found
+    with warnings.catch_warnings():
+        warnings.simplefilter("error" if found <= Version(TORCH.newest) else "ignore")
+        assert check_torch() == torch.__version__
+
+
+def test_torch_older_than_the_floor_is_refused_and_newer_warns() -> None:
+    with pytest.raises(ImportError, match=r"torch 2\.8\.0 is older .*torch 2\.9\.1 to") as e:
+        check_torch(installed="2.8.0")
+    assert f'pip install "torch>={TORCH.floor}"' in str(e.value)
+    newer = f"{Version(TORCH.newest).major}.{Version(TORCH.newest).minor + 1}.0+cu130"
+    with pytest.warns(UnverifiedVersionWarning, match=r"torch .* is newer"):
+        check_torch(installed=newer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_torch(installed=f"{TORCH.floor}+cu128") == f"{TORCH.floor}+cu128"
+
+
+@pytest.mark.parametrize("key", sorted(TORCH_FEATURES))
+def test_a_feature_on_a_too_old_torch_is_refused_naming_what_it_needs(key: str) -> None:
+    need = TORCH_FEATURES[key]
+    assert Version(TORCH.floor) < Version(need.since) <= Version(TORCH.newest)
+    with pytest.raises(RuntimeError) as e:
+        require_torch(key, installed=TORCH.floor)
+    message = str(e.value)
+    assert need.feature in message and f"needs torch >= {need.since}" in message
+    assert need.reason in message and f'pip install "torch>={need.since}"' in message
+    require_torch(key, installed=need.since)  # from that release on: nothing to refuse
+    require_torch(key, installed=f"{need.since}+cpu")
+
+
+def test_fp8_on_a_too_old_torch_is_an_import_error_naming_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What ``DistAMP(precision="fp8")`` reports on torch 2.9: the torch it needs, not an
+    ImportError from inside torchao."""
+    import distamp.precision.fp8_torchao as fp8_torchao
+
+    if importlib.util.find_spec("torchao") is None:
+        pytest.skip("needs the fp8 extra (torchao)")
+    monkeypatch.setattr(
+        fp8_torchao, "require_torch", lambda key: require_torch(key, installed="2.9.1")
+    )
+    with pytest.raises(ImportError, match=r"precision='fp8'.*needs torch >= 2\.10\.0"):
+        fp8_torchao.require_torchao()

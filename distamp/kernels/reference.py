@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from distamp.kernels.cpu_sumsq import sumsq_fp32_chunked
+from distamp.torch_compat import amp_unscale_, foreach_mul_, foreach_norm
 
 __all__ = [
     "device_mismatch",
@@ -71,9 +72,9 @@ def _supported(
             if op == "amp":
                 one = torch.ones((), dtype=torch.float32, device=device)
                 flag = torch.zeros((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_([probe], flag, one)
+                amp_unscale_([probe], flag, one)
             else:
-                torch._foreach_norm([probe], 2, dtype=torch.float64)
+                foreach_norm([probe], 2, dtype=torch.float64)
             cache[key] = True
         except (RuntimeError, NotImplementedError, TypeError):
             cache[key] = False
@@ -97,7 +98,7 @@ def _flags_and_sumsq(
     branch."""
     strategy = _norm_strategy(group[0].device, group[0].dtype)
     if strategy == "fp64":
-        norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float64))
+        norms = torch.stack(foreach_norm(group, 2, dtype=torch.float64))
         return ~norms.isfinite(), norms.square().sum() if need_sumsq else None
     if strategy == "cpu":
         # aminmax propagates NaN and exposes both infinities: 3.4 ms vs 248 ms for
@@ -110,7 +111,7 @@ def _flags_and_sumsq(
             ]
         )
     else:
-        ends = torch.stack(torch._foreach_norm(group, float("inf"))).unsqueeze(1)
+        ends = torch.stack(foreach_norm(group, float("inf"))).unsqueeze(1)
     bad = ends.isinf().any(dim=1) | ends.isnan().any(dim=1)
     if not need_sumsq:
         return bad, None
@@ -126,10 +127,10 @@ def _fp32_sumsq(group: list[torch.Tensor]) -> torch.Tensor:
     in the requested dtype as it reads.
     """
     if group[0].dtype not in _LOW_PRECISION:
-        return torch.stack(torch._foreach_norm(group, 2)).to(torch.float64).square().sum()
+        return torch.stack(foreach_norm(group, 2)).to(torch.float64).square().sum()
     if group[0].device.type == "cpu":
         return sumsq_fp32_chunked(group)
-    norms = torch._foreach_norm(group, 2, dtype=torch.float32)
+    norms = foreach_norm(group, 2, dtype=torch.float32)
     return torch.stack(norms).to(torch.float64).square().sum()
 
 
@@ -190,7 +191,7 @@ def reference_subset_(
         amp_ok = _supported(_amp_support, "amp", device, dtype)
         if write and amp_ok and not compute_sumsq and per_tensor_flags is None:
             # One read-write pass: check and unscale together, exactly torch's GradScaler.
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+            amp_unscale_(group, found_inf, inv_scale)
             continue
         if amp_ok and per_tensor_flags is None and _norm_strategy(device, dtype) == "cpu":
             # CPU: torch's check-and-unscale op is one call for the whole list, where a per-tensor
@@ -206,7 +207,7 @@ def reference_subset_(
                 if not write and bool(torch.isfinite(local)):
                     continue
             factor = inv_scale if write else torch.ones((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, factor)
+            amp_unscale_(group, found_inf, factor)
             continue
         bad, sumsq = _flags_and_sumsq(group, compute_sumsq)  # of the scaled values, pre-write
         found_inf.copy_(torch.maximum(found_inf, bad.any().to(torch.float32)))
@@ -220,13 +221,13 @@ def reference_subset_(
             unscale = inv_scale.to(torch.float64).reshape(())
             total = total + sumsq * unscale.square()
         if write and amp_ok:
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+            amp_unscale_(group, found_inf, inv_scale)
         elif write:
             # A scalar of the list's own dtype keeps foreach's fast route; a float32 one on a
             # 16-bit list takes the per-tensor slow route (torch checks for equal dtypes): 2.5 ms
             # for 200M fp16 elements in 500 tensors on H100, ~9x one read-write pass. Rounding
             # inv_scale to the gradients' dtype is exact for power-of-two scales (GradScaler's).
-            torch._foreach_mul_(group, inv_scale.to(dtype).reshape(()))
+            foreach_mul_(group, inv_scale.to(dtype).reshape(()))
     return total
 
 

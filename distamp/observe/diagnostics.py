@@ -28,6 +28,7 @@ from torch import nn
 
 from distamp.cluster import is_distributed
 from distamp.parallel.topology import local_grad
+from distamp.torch_compat import foreach_norm
 
 __all__ = [
     "NonFiniteTracer",
@@ -316,7 +317,7 @@ def _largest_norms(
             grads.append((names.get(id(p), f"param[{i}]"), local))
     if not grads:
         return ()
-    norms = torch.stack(torch._foreach_norm([g for _, g in grads])).float().cpu().tolist()
+    norms = torch.stack(foreach_norm([g for _, g in grads])).float().cpu().tolist()
     finite = [(n, v) for (n, _), v in zip(grads, norms, strict=True) if math.isfinite(v)]
     return tuple(sorted(finite, key=lambda nv: -nv[1])[:top])
 

@@ -35,9 +35,9 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.amp.grad_scaler import OptState
 
 from distamp.parallel.reduction import ExternalGroup
+from distamp.torch_compat import OptState
 from distamp.versions import WINDOWS, check_version
 
 __all__ = [

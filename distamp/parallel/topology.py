@@ -46,6 +46,8 @@ from distamp.arguments import integer_or_none
 from distamp.cluster import is_distributed
 from distamp.parallel.reduction import FlagReducer, GroupSpec
 from distamp.parallel.replicas import ManagerGroup, is_ft_manager
+from distamp.torch_compat import fsdp1_replica_group, is_pipeline_stage
+from distamp.versions import require_torch
 
 __all__ = [
     "Topology",
@@ -54,7 +56,6 @@ __all__ = [
     "is_dtensor",
     "is_distributed",  # re-exported from distamp.cluster, where it is defined
     "is_group_like",
-    "is_pipeline_stage",
     "local_grad",
     "optimizer_params",
 ]
@@ -234,21 +235,15 @@ class _ForwardSync:
     synced: bool = False
 
 
-def _fsdp1_replica_group(module: Any) -> Any:
-    """The group over which an FSDP1 module with a hybrid strategy replicates its shards
-    (``None`` for the other strategies).
-
-    FSDP1 keeps its hybrid strategies and that group in private names (the ZeRO-2 hybrid is
-    ``ShardingStrategy._HYBRID_SHARD_ZERO2``, the group ``_inter_node_pg``) with no public
-    accessor; the ranks cannot be derived from the world layout, since a user may pass their
-    own ``(intra, inter)`` groups. Checked on torch 2.13 only. The only place they are read.
-    """
-    from torch.distributed.fsdp import ShardingStrategy
-
-    hybrid = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-    if getattr(module, "sharding_strategy", None) not in hybrid:
-        return None
-    return module._inter_node_pg
+def check_pipeline_torch(stage: Any) -> None:
+    """Refuse a CPU pipeline stage over gloo on a torch whose schedules abort there
+    (:data:`distamp.versions.TORCH_FEATURES` ``"pipeline-gloo"``): at registration, with the
+    fix, instead of a gloo error in the first schedule step."""
+    device = getattr(stage, "device", None)
+    if device is None or torch.device(device).type != "cpu" or not dist.is_initialized():
+        return
+    if "gloo" in str(dist.get_backend(getattr(stage, "group", None))):
+        require_torch("pipeline-gloo")
 
 
 class Topology:
@@ -311,6 +306,7 @@ class Topology:
 
         stage_group = None
         if is_pipeline_stage(module):
+            check_pipeline_torch(module)
             stage_group = module.group
             module = module.submod
         if not isinstance(module, nn.Module):
@@ -337,7 +333,7 @@ class Topology:
         from torch.distributed.fsdp import ShardingStrategy
 
         strategy = getattr(module, "sharding_strategy", ShardingStrategy.FULL_SHARD)
-        replicas = _fsdp1_replica_group(module)
+        replicas = fsdp1_replica_group(module)
         if strategy == ShardingStrategy.NO_SHARD:
             holders = tuple(dist.get_process_group_ranks(module.process_group))
         elif replicas is not None:
@@ -423,12 +419,3 @@ def _is_c10d_group(group: Any) -> bool:
     except (RuntimeError, ValueError, KeyError, AttributeError):
         return False
     return True
-
-
-def is_pipeline_stage(obj: Any) -> bool:
-    """Whether ``obj`` is a ``torch.distributed.pipelining`` stage (it holds ``submod``)."""
-    try:
-        from torch.distributed.pipelining.stage import _PipelineStageBase
-    except ImportError:  # pragma: no cover - torch builds without pipelining
-        return False
-    return isinstance(obj, _PipelineStageBase)

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from distamp.precision.casts import LOW_PRECISION
 from distamp.precision.fp8_select import LinearChoice, plan_linears
 from distamp.precision.policy import AutocastPolicy, PrecisionLike, parse_precision
+from distamp.torch_compat import TorchDispatchMode
 
 __all__ = ["AuditReport", "ModuleRecord", "audit"]
 

@@ -45,6 +45,7 @@ from torch import nn
 from distamp.parallel.reduction import ExternalGroup, FlagReducer
 from distamp.parallel.topology import agreement_group
 from distamp.precision.fp8_torchao import require_torchao
+from distamp.torch_compat import dtensor_local, foreach_norm
 
 __all__ = ["WeightScales", "fp8_tp_plan", "gathers_in_float8", "is_float8_linear"]
 
@@ -77,7 +78,7 @@ class _TorchaoShard:
     """
 
     def __init__(self, weight: Any) -> None:
-        self.tensor: Any = getattr(weight, "_local_tensor", None)  # None: not a DTensor
+        self.tensor: Any = dtensor_local(weight)  # None: not a DTensor
 
     @property
     def is_float8(self) -> bool:
@@ -223,11 +224,11 @@ class WeightScales:
         local = self._shards()
         shards = [s.plain() for s in local]
         if self._index is None:  # this rank holds every key, in slot order, none empty
-            amax = torch.stack(torch._foreach_norm(shards, ord=float("inf"))).float()
+            amax = torch.stack(foreach_norm(shards, ord=float("inf"))).float()
         else:
             amax = torch.zeros(self.size, dtype=torch.float32, device=self._index.device)
             if self._nonempty:
-                norms = torch._foreach_norm([shards[i] for i in self._nonempty], ord=float("inf"))
+                norms = foreach_norm([shards[i] for i in self._nonempty], ord=float("inf"))
                 amax.index_copy_(0, self._index, torch.stack(norms).float())
         if not self.reducer.is_noop:
             self.reducer.all_reduce_max_(amax)

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from packaging.version import Version
 
-from distamp.versions import WINDOWS, check_version
+from distamp.torch_compat import scaled_mm
+from distamp.versions import WINDOWS, check_version, require_torch
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -61,12 +62,13 @@ def require_torchao() -> ModuleType:
     """Import ``torchao.float8`` or explain what to install.
 
     Raises:
-        ImportError: torchao is not installed, older than :data:`TORCHAO_RANGE` or a known
-            break (float8 APIs change between releases).
+        ImportError: torchao is not installed, outside its window or a known break (float8
+            APIs change between releases), or torch is older than torchao needs.
     """
     try:
         check_version("torchao")
-    except ImportError as e:
+        require_torch("fp8")
+    except (ImportError, RuntimeError) as e:
         raise ImportError(f"precision='fp8': {e}") from e.__cause__
     with _quiet_torchao_import():
         return importlib.import_module("torchao.float8")
@@ -87,7 +89,7 @@ def fp8_support() -> dict[str, Any]:
     try:
         a = torch.ones(16, 16).to(torch.float8_e4m3fn)
         one = torch.ones((), dtype=torch.float32)
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
         cpu = True
     except (RuntimeError, AttributeError, NotImplementedError):
         cpu = False

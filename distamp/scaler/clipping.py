@@ -24,14 +24,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState
 
 from distamp.arguments import as_real
 from distamp.kernels import unscale_check_sumsq_
 from distamp.observe.diagnostics import OverflowRecorder
 from distamp.parallel.topology import grad_device, optimizer_params
 from distamp.scaler.grad_groups import FP16_GRADS, GradGroup
-from distamp.scaler.records import StepAgreement, is_fused, reciprocal
+from distamp.scaler.records import StepAgreement, reciprocal
+from distamp.torch_compat import OptState, foreach_norm, takes_grad_scale
 
 __all__ = [
     "check_clip_args",
@@ -144,7 +144,7 @@ def local_norm_term(
                     continue
                 # torch's foreach norm (what clip_grad_norm_ uses): one launch per group, no
                 # public alias in torch 2.13
-                norms = torch.stack(torch._foreach_norm(nonempty, norm_type)).float()
+                norms = torch.stack(foreach_norm(nonempty, norm_type)).float()
                 term = norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
             terms.append((term / n if n > 1 and norm_type != math.inf else term).to(home))
     if not terms:
@@ -267,7 +267,7 @@ def clip_step_grads_(
             "clip_grad_norm_() has already been called on this optimizer since the last "
             "update(): clip once per optimizer step."
         )
-    fused = is_fused(optimizer)
+    fused = takes_grad_scale(optimizer)
     # per-block backward scales: a fused step's one grad_scale cannot unscale them, so unscale
     deferred = enabled and record.stage is OptState.READY and norm_type == 2.0
     deferred = deferred and not (fused and steps.factored(optimizer))

@@ -31,6 +31,7 @@ import torch
 from distamp.kernels import unscale_check_sumsq_
 from distamp.observe.diagnostics import OverflowRecorder
 from distamp.parallel.topology import is_dtensor, local_grad
+from distamp.torch_compat import group_by_device_and_dtype
 
 __all__ = ["GradGroup", "GradPlan", "GradPlans", "check_groups_"]
 
@@ -99,13 +100,11 @@ class GradPlan:
         if not self.plain:
             return _slow_groups(owners, allow_fp16, sparse_error)
         out: list[GradGroup] = []
-        # torch's own bucketing for foreach ops (what its GradScaler uses); no public alias
-        grouped = torch._C._group_tensors_by_device_and_dtype([present], True)  # type: ignore[list-item]
-        for (device, dtype), (tensors, indices) in grouped.items():
+        # torch's own bucketing for foreach ops (what its GradScaler uses)
+        for (device, dtype), (dense, indices) in group_by_device_and_dtype(present).items():
             if not allow_fp16 and dtype == torch.float16:
                 raise ValueError(FP16_GRADS)
             group_owners = [owners[i] for i in indices]
-            dense: list[torch.Tensor] = tensors[0]  # type: ignore[assignment]
             if any(t.is_sparse for t in dense):
                 out.extend(_slow_groups(group_owners, allow_fp16, sparse_error))
                 continue

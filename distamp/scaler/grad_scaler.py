@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState
 
 from distamp.observe.diagnostics import NonFiniteTracer, OverflowRecorder
 from distamp.parallel import reduction
@@ -32,7 +31,6 @@ from distamp.scaler.records import (
     OptimizerStep,
     ScalerStateError,
     StepAgreement,
-    is_fused,
     reciprocal,
 )
 from distamp.scaler.reporting import ScalerReporting
@@ -40,6 +38,7 @@ from distamp.scaler.scale_state import ScaleState, ScaleUnderflowError
 from distamp.scaler.scale_update import RuleCache, ScaleRule, update_scale_
 from distamp.scaler.settings import ScalerSettings
 from distamp.scaler.sync_free import fused_step, grad_scaler_step, masked_step, takes_grad_scaler
+from distamp.torch_compat import OptState, takes_grad_scale
 
 __all__ = ["DistributedGradScaler", "OptimizerStep", "ScaleUnderflowError", "ScalerStateError"]
 
@@ -401,7 +400,7 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
                 "step() has already been called since the last update(): call update() once "
                 "per iteration, after stepping every optimizer."
             )
-        fused = is_fused(optimizer)
+        fused = takes_grad_scale(optimizer)
         if fused and record.stage is OptState.READY and self._steps.factored(optimizer):
             self.unscale_(optimizer)  # per-block factors: a fused step's one grad_scale cannot
         if fused and takes_grad_scaler(optimizer):

@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.amp.grad_scaler import OptState
 
 from distamp.cluster.agreement import agree_settings
 from distamp.observe.diagnostics import OverflowRecorder
 from distamp.parallel import reduction
 from distamp.parallel.topology import Topology
 from distamp.scaler.grad_groups import GradPlan, GradPlans, check_groups_
+from distamp.torch_compat import OptState
 
 __all__ = [
     "OptimizerStep",
@@ -35,7 +35,6 @@ __all__ = [
     "StepAgreement",
     "StepRecords",
     "agree_pending",
-    "is_fused",
     "reciprocal",
 ]
 
@@ -282,11 +281,6 @@ def agree_pending(
         for record in pending:
             record.found_inf = flag
     return extra
-
-
-def is_fused(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer takes ``grad_scale``/``found_inf`` (torch's fused=True ones)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def reciprocal(scale: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 
 from distamp.arguments import as_integer, as_real
 from distamp.scaler.config import SCALE_MIN
+from distamp.torch_compat import amp_update_scale_
 
 __all__ = ["RuleCache", "ScaleRule", "update_scale_"]
 
@@ -106,7 +107,7 @@ def update_scale_(
         # A clean step can only grow the scale, and torch's kernel never grows it to inf: no
         # floor check, and a clamp only under a ceiling.
         at_floor = found_on_host and float(scale.item()) <= floor  # a CPU tensor: no sync
-        torch._amp_update_scale_(
+        amp_update_scale_(
             scale,
             growth_tracker,
             found_inf,
@@ -121,7 +122,7 @@ def update_scale_(
         # torch's fused update is one kernel instead of a dozen small ops (0.04 vs 0.3 ms on CPU);
         # the extras are the floor (and its flag) and the ceiling.
         underflow = (found_inf > 0) & (scale <= floor)
-        torch._amp_update_scale_(
+        amp_update_scale_(
             scale,
             growth_tracker,
             found_inf,

@@ -1,0 +1,149 @@
+"""Every torch-internal name distamp uses, in one module.
+
+distamp builds on a few torch names that are not public API: the multi-tensor ops torch's own
+``GradScaler`` and ``clip_grad_norm_`` run on (``torch._foreach_norm``,
+``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch._amp_update_scale_``), the grouping
+helper they bucket tensors with, the ``GradScaler`` members :class:`DistributedGradScaler`
+overrides, the base class of pipeline stages, FSDP1's hybrid replica group, DTensor's local
+tensor. Private names move between releases without notice, so they are read here and only
+here: a rename shows up as one failing check (:func:`missing_internals`, run by
+``tests/test_torch_compat.py`` on the floor, the pinned and the newest torch of
+:data:`distamp.versions.TORCH`) instead of an ``AttributeError`` in the middle of a run.
+
+Each name was checked on every torch release of that window.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import GradScaler, OptState
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "GRAD_SCALER_MEMBERS",
+    "OptState",
+    "TorchDispatchMode",
+    "amp_unscale_",
+    "amp_update_scale_",
+    "dtensor_local",
+    "foreach_mul_",
+    "foreach_norm",
+    "fsdp1_replica_group",
+    "group_by_device_and_dtype",
+    "is_pipeline_stage",
+    "missing_internals",
+    "scaled_mm",
+    "takes_grad_scale",
+]
+
+# The multi-tensor kernels behind torch's GradScaler and clip_grad_norm_ (no public aliases).
+foreach_norm = torch._foreach_norm
+"""``torch._foreach_norm(tensors, ord, dtype=None)``: one norm per tensor, one launch per group."""
+foreach_mul_ = torch._foreach_mul_
+"""``torch._foreach_mul_(tensors, scalar_or_tensor)``: in-place multiply of every tensor."""
+amp_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
+"""``(tensors, found_inf, inv_scale)``: multiply by ``inv_scale`` and set ``found_inf`` to 1
+where a value is not finite: torch's ``GradScaler.unscale_`` kernel."""
+amp_update_scale_ = torch._amp_update_scale_
+"""``(scale, growth_tracker, found_inf, growth, backoff, interval)``: torch's scale update."""
+scaled_mm = torch._scaled_mm
+"""The float8 GEMM torchao's float8 training calls."""
+
+GRAD_SCALER_MEMBERS: tuple[str, ...] = (
+    # methods DistributedGradScaler overrides or calls through super()
+    "_lazy_init_scale_growth_tracker",
+    "_check_scale_growth_tracker",
+    "_unscale_grads_",
+    "_check_inf_per_device",
+    "_found_inf_per_device",
+    # state torch's __init__ assigns and its public methods read
+    "_per_optimizer_states",
+    "_scale",
+    "_growth_tracker",
+    "_enabled",
+    "_device",
+    "_init_scale",
+    "_init_growth_tracker",
+    "_growth_factor",
+    "_backoff_factor",
+    "_growth_interval",
+)
+"""The members of ``torch.amp.GradScaler`` that :class:`DistributedGradScaler` relies on: it
+subclasses torch's scaler so that every public method keeps torch's behaviour and signature."""
+
+_OPT_STATES = ("READY", "UNSCALED", "STEPPED")
+
+
+def group_by_device_and_dtype(
+    tensors: list[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]]:
+    """``tensors`` bucketed by (device, dtype), each bucket with the tensors' indices in the
+    input: the grouping torch's own foreach-based ``GradScaler`` uses (one C++ pass)."""
+    grouped = torch._C._group_tensors_by_device_and_dtype([tensors], True)  # type: ignore[list-item]
+    return {key: (lists[0], indices) for key, (lists, indices) in grouped.items()}  # type: ignore[misc]
+
+
+def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's ``step`` takes ``grad_scale``/``found_inf`` (torch's
+    ``fused=True`` optimizers): torch marks them with a private attribute."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def is_pipeline_stage(obj: Any) -> bool:
+    """Whether ``obj`` is a ``torch.distributed.pipelining`` stage (it holds ``submod``): every
+    stage class derives from a private base."""
+    try:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+    except ImportError:  # pragma: no cover - torch builds without pipelining
+        return False
+    return isinstance(obj, _PipelineStageBase)
+
+
+def fsdp1_replica_group(module: Any) -> Any:
+    """The group over which an FSDP1 module with a hybrid strategy replicates its shards
+    (``None`` for the other strategies).
+
+    FSDP1 keeps its hybrid strategies and that group in private names (the ZeRO-2 hybrid is
+    ``ShardingStrategy._HYBRID_SHARD_ZERO2``, the group ``_inter_node_pg``) with no public
+    accessor; the ranks cannot be derived from the world layout, since a user may pass their
+    own ``(intra, inter)`` groups.
+    """
+    from torch.distributed.fsdp import ShardingStrategy
+
+    hybrid = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    if getattr(module, "sharding_strategy", None) not in hybrid:
+        return None
+    return module._inter_node_pg
+
+
+def dtensor_local(weight: Any) -> Any:
+    """The local tensor object a DTensor parameter holds (``None`` for a plain tensor).
+
+    ``DTensor.to_local()`` returns a fresh view for a Parameter; code that must change the very
+    object FSDP2 all-gathers from (a tensor subclass's attributes) reads the private slot."""
+    return getattr(weight, "_local_tensor", None)
+
+
+def missing_internals() -> list[str]:
+    """The internal names above that the running torch lacks (empty: this torch is usable).
+
+    Cheap (no kernels run); ``tests/test_torch_compat.py`` asserts it is empty on each torch of
+    the window, and the error of a failing release names what moved.
+    """
+    missing: list[str] = []
+    scaler = GradScaler("cpu")  # enabled: torch assigns its state only then
+    missing += [f"torch.amp.GradScaler.{n}" for n in GRAD_SCALER_MEMBERS if not hasattr(scaler, n)]
+    missing += [f"OptState.{n}" for n in _OPT_STATES if not hasattr(OptState, n)]
+    if not hasattr(torch._C, "_group_tensors_by_device_and_dtype"):
+        missing.append("torch._C._group_tensors_by_device_and_dtype")
+    try:
+        from torch.distributed.pipelining.stage import _PipelineStageBase  # noqa: F401
+    except ImportError:
+        missing.append("torch.distributed.pipelining.stage._PipelineStageBase")
+    from torch.distributed.fsdp import ShardingStrategy
+
+    if not hasattr(ShardingStrategy, "_HYBRID_SHARD_ZERO2"):
+        missing.append("torch.distributed.fsdp.ShardingStrategy._HYBRID_SHARD_ZERO2")
+    return missing
