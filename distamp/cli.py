@@ -257,27 +257,76 @@ def environment_report(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     }
 
 
+_LAUNCH_EXAMPLES = """examples:
+  distamp launch --nproc-per-node 2 launch/train.py          # 2 processes on this machine
+  distamp launch --nproc-per-node 2 launch/train.py --precision bf16 --steps 50
+  distamp launch --launcher mpirun --nproc-per-node 4 train.py
+  distamp launch --nnodes 2 --node-rank 0 --nproc-per-node 8 \\
+      --rdzv-endpoint node0:29500 train.py                     # run once per node
+  distamp launch --sbatch --launcher srun --nnodes 2 --nproc-per-node 8 train.py > job.sbatch
+  distamp launch --dry-run --nproc-per-node 2 train.py       # print the command only
+
+Everything after SCRIPT is passed to it unchanged."""
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="distamp", description="distributed mixed precision")
+    # allow_abbrev=False: a mistyped option (--nproc-per-nod) is an error, not silently expanded.
+    parser = argparse.ArgumentParser(
+        prog="distamp", description="distributed mixed precision", allow_abbrev=False
+    )
     parser.add_argument(
         "--version", action="version", version=f"distamp {_version('distamp') or 'unknown'}"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    launch = sub.add_parser("launch", help="start SCRIPT on several processes")
-    launch.add_argument("--launcher", choices=LAUNCHER_CHOICES, default="auto")
-    launch.add_argument("--nnodes", type=int_arg(1), default=1, metavar="N")
-    launch.add_argument("--nproc-per-node", type=int_arg(1), default=1, metavar="N")
-    launch.add_argument(
-        "--node-rank", type=int_arg(0), default=None, metavar="I", help="torchrun only"
+    launch = sub.add_parser(
+        "launch",
+        help="start SCRIPT on several processes",
+        description="Start SCRIPT on nnodes x nproc-per-node processes under a launcher, with\n"
+        "the rank variables every launcher family sets (distamp.detect_environment reads them).",
+        epilog=_LAUNCH_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
-    launch.add_argument("--rdzv-endpoint", type=_endpoint, default=None, metavar="HOST:PORT")
+    launch.add_argument(
+        "--launcher",
+        choices=LAUNCHER_CHOICES,
+        default="auto",
+        help="what starts the processes (default: auto = torchrun, or srun for several nodes "
+        "from inside a SLURM allocation)",
+    )
+    launch.add_argument(
+        "--nnodes", type=int_arg(1), default=1, metavar="N", help="machines in the job (default: 1)"
+    )
+    launch.add_argument(
+        "--nproc-per-node",
+        type=int_arg(1),
+        default=1,
+        metavar="N",
+        help="processes per machine, usually one per GPU (default: 1)",
+    )
+    launch.add_argument(
+        "--node-rank",
+        type=int_arg(0),
+        default=None,
+        metavar="I",
+        help="this machine's index in [0, nnodes), torchrun only (default: from the rendezvous)",
+    )
+    launch.add_argument(
+        "--rdzv-endpoint",
+        type=_endpoint,
+        default=None,
+        metavar="HOST:PORT",
+        help="where rank 0 listens; needed by torchrun on several nodes (default: a free local "
+        "port on one node)",
+    )
     launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     launch.add_argument(
         "--grace-period",
         type=real_arg(0.0),
         default=GRACE_S,
         metavar="S",
-        help=f"seconds the job has to end after SIGTERM/SIGINT before SIGKILL ({GRACE_S:g})",
+        help=f"seconds the job has to end after SIGTERM/SIGINT before SIGKILL "
+        f"(default: {GRACE_S:g})",
     )
     launch.add_argument(
         "--sbatch",
@@ -285,10 +334,12 @@ def _parser() -> argparse.ArgumentParser:
         help="print a SLURM batch script for --launcher torchrun|srun|mpirun, run nothing",
     )
     launch.add_argument("script", help="a Python file (checked to exist unless only printed)")
-    launch.add_argument("script_args", nargs=argparse.REMAINDER)
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="SCRIPT's own arguments")
     launch.set_defaults(usage_error=launch.error)  # usage errors found after parsing
-    report = sub.add_parser("env", help="report versions, launcher and hardware support")
-    report.add_argument("--json", action="store_true")
+    report = sub.add_parser(
+        "env", help="report versions, launcher and hardware support", allow_abbrev=False
+    )
+    report.add_argument("--json", action="store_true", help="one JSON object instead of text")
     sub.add_parser(
         "versions", help="print the verified releases of torch and each framework (Markdown)"
     )

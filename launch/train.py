@@ -4,7 +4,8 @@
     torchrun --standalone --nproc-per-node 2 launch/train.py # or mpirun -np 2, srun, distamp launch
 
 Rank 0 draws a progress line on stderr and prints ONE JSON object as its last stdout line
-(final_loss, steps, skipped_steps, loss_scale, tokens_per_s, world_size, precision, strategy...).
+(final_loss, steps, skipped_steps, loss_scale, tokens_per_s, world_size, precision, strategy...;
+``--help`` explains each field). Nothing is written to disk unless ``--out DIR`` is given.
 The same seed gives the same final loss whichever launcher started the ranks; ``--out DIR
 --resume`` continues from the last checkpoint to the same final state, bitwise on CPU. SIGUSR1 or
 SIGTERM (a scheduler's "time is nearly up") makes every rank stop at the next logging step, save
@@ -60,10 +61,45 @@ def _precision(text: str) -> str:
     return text
 
 
+SUMMARY_FIELDS: dict[str, str] = {
+    "final_loss": "mean loss of the last step, over every rank's micro-batches",
+    "window_loss": "mean loss since the previous logging step (--log-interval steps)",
+    "steps": "the step count at the end: skipped steps and steps before a resume included",
+    "skipped_steps": "steps skipped because a gradient was inf/NaN (the scale then backs off)",
+    "loss_scale": "the loss scale at the end (fp16; 1.0 where no scaling is needed)",
+    "grad_norm": "gradient norm before clipping at the last logging step (null: no clipping)",
+    "tokens_per_s": "training tokens per second, all ranks together",
+    "world_size": "number of ranks",
+    "precision": "the precision trained in",
+    "fp8_layers": "Linear layers converted to float8 (fp8 only)",
+    "strategy": "the data-parallel wrapper chosen (ddp, fsdp, ...; none for one process)",
+    "launcher": "the launcher family detected (torchrun, mpirun, srun, single)",
+    "resumed_from": "the step the run resumed from (null: a fresh run)",
+    "stopped_by_signal": "true if SIGUSR1/SIGTERM stopped it early (after saving)",
+    "train_s": "wall-clock seconds of the training loop",
+}
+"""The fields of the JSON summary line, in order, with what each means (``--help`` lists them)."""
+
+
+def _epilog() -> str:
+    width = max(map(len, SUMMARY_FIELDS))
+    fields = "\n".join(f"  {k:<{width}}  {v}" for k, v in SUMMARY_FIELDS.items())
+    return (
+        "outputs: rank 0 draws a progress line on stderr and prints one JSON summary as its last\n"
+        "stdout line; nothing is written to disk unless --out DIR is given (checkpoints and\n"
+        f"DIR/metrics.jsonl).\n\nsummary fields:\n{fields}"
+    )
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check every argument: a bad one is a usage error (exit 2) naming it and what is
     allowed, before any process group starts."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     add = p.add_argument
     add("--steps", type=int_arg(1), default=300, help="optimizer steps (the LR schedule's length)")
     add(
@@ -226,6 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     stop = stop_flag()
     printer = ProgressPrinter(end, jsonl=args.out / "metrics.jsonl" if args.out else None)
     main_rank = env.rank == 0
+    if main_rank:
+        where = (
+            f"checkpoints and metrics.jsonl go to {args.out}"
+            if args.out
+            else ("nothing is saved (pass --out DIR for checkpoints and metrics.jsonl)")
+        )
+        print(f"{end - start_step} steps on {amp.world_size} rank(s); {where}", file=sys.stderr)
     t0 = time.perf_counter()
     stats = amp.fit(
         data.batch,
@@ -260,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             "stopped_by_signal": bool(stats and stats.stop),
             "train_s": round(wall, 3),
         }
+        assert list(summary) == list(SUMMARY_FIELDS)  # --help documents every field
+        print("summary (fields: python launch/train.py --help):", file=sys.stderr, flush=True)
         print(json.dumps(summary), flush=True)
     amp.close()  # releases the wrapped model, which holds the process group
     shutdown_distributed()  # the group came from init_distributed above

@@ -200,6 +200,29 @@ def test_usage_errors_and_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
 
 
+def test_abbreviated_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--nproc-per-nod 2`` is a typo, not ``--nproc-per-node 2``: an error, nothing started."""
+    assert main(["launch", "--nproc-per-nod", "2", "--dry-run", "t.py"]) == 2
+    assert "--nproc-per-nod" in capsys.readouterr().err
+    assert main(["launch", "--dry", "t.py"]) == 2
+
+
+def test_launch_help_explains_every_option_with_its_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["launch", "--help"]) == 0
+    text = capsys.readouterr().out
+    options = re.findall(r"^  (--[a-z-]+)", text, re.M)
+    assert {"--launcher", "--nnodes", "--nproc-per-node", "--node-rank", "--rdzv-endpoint"} <= set(
+        options
+    )
+    for option in options:  # each option's line (or the next) carries a help text
+        block = text.split(f"  {option}", 1)[1].split("\n  --", 1)[0]
+        assert len(block.split()) > 2, f"{option} has no help text"
+    assert "(default: auto" in text and "(default: 1)" in text and "(default: 30)" in text
+    assert "examples:" in text and "distamp launch --nproc-per-node 2 launch/train.py" in text
+
+
 def _installed() -> str | None:
     import importlib.metadata
 

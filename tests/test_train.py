@@ -45,6 +45,10 @@ def _run(cmd: list[str], timeout: float = 120) -> dict[str, Any]:
     assert lines, f"no stdout from {' '.join(cmd)}\n{err[-3000:]}"
     result = json.loads(lines[-1])
     assert result.keys() >= KEYS, result
+    from launch.train import SUMMARY_FIELDS
+
+    assert list(result) == list(SUMMARY_FIELDS), "every summary field is explained in --help"
+    assert "nothing is saved" in err or "metrics.jsonl go to" in err, err[-2000:]
     return result
 
 
@@ -100,3 +104,14 @@ def test_same_seed_same_loss_under_torchrun_and_mpirun() -> None:
     via_mpi = _run([*mpirun, sys.executable, TRAIN, *args])
     via_torchrun = _torchrun(*args)
     assert via_mpi["world_size"] == 2 and via_mpi["final_loss"] == via_torchrun["final_loss"]
+
+
+def test_help_explains_every_summary_field_and_where_outputs_go() -> None:
+    from launch.train import SUMMARY_FIELDS
+
+    out = subprocess.run(
+        [sys.executable, TRAIN, "--help"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    assert "nothing is written to disk unless --out DIR" in out
+    for field, meaning in SUMMARY_FIELDS.items():
+        assert f"  {field}" in out and meaning in out.replace("\n", " "), field
