@@ -20,12 +20,15 @@ Then the GPT of part 2 with the monitor alone vs backward scales (the blocks: to
 blocks.0, blocks.1, ln_f, head), interleaved: the step-time ratio.
 
 Run: ``python benchmarks/adaptive_precision.py [--steps 150] [--gpt-steps 40] [--threads 1]
-[--deep-steps 200]``.
+[--deep-steps 200] [--json PATH]``. ``--json`` also writes every printed figure and, for part 1,
+each run's per-step loss scale and skips and the adaptive run's headroom per report and its
+promotions (``benchmarks/plots.py`` draws them).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -79,7 +82,11 @@ def batch(k: int, spiky: bool = True, n: int = 32) -> tuple[torch.Tensor, torch.
     return x, torch.tanh(4 * xn @ _W) + 0.3 * torch.randn(n, 1, generator=g)
 
 
-def overflow_run(name: str, steps: int) -> tuple[float, int, int, float]:
+def overflow_run(
+    name: str, steps: int, record: dict[str, Any] | None = None
+) -> tuple[float, int, int, float]:
+    """One run of part 1; ``record`` (if given) receives its per-step trajectory, read after
+    each step's timing so that the reads cost no measured time."""
     torch.manual_seed(0)
     net = Net()
     precision = "fp32" if name == "fp32" else "fp16"
@@ -89,18 +96,29 @@ def overflow_run(name: str, steps: int) -> tuple[float, int, int, float]:
     amp = distamp.DistAMP(precision, strategy="none", policy=policy)
     model, _ = amp.setup(net, lambda p: torch.optim.AdamW(p, lr=2e-2))
     times = []
+    trace: dict[str, list[Any]] = {"loss_scale": [], "skipped": [], "headroom": []}
     for k in range(steps):
         x, y = batch(k)
         t0 = time.perf_counter()
         with amp.autocast():
             loss = F.mse_loss(model(x).float(), y)
-        amp.backward_and_step(loss)
+        result = amp.backward_and_step(loss)
         times.append(time.perf_counter() - t0)
+        if record is not None and result is not None:
+            trace["loss_scale"].append(result.loss_scale)  # host reads, outside the timing
+            trace["skipped"].append(not result.stepped)
+            stats = amp.numerics()
+            if stats is not None and stats.step == k + 1:
+                trace["headroom"].append({"step": k + 1, **stats.headroom})
     x, y = batch(99_999, spiky=False, n=4096)
     with torch.no_grad():
         final = F.mse_loss(net(x), y).item()
     skipped = amp.scaler.skipped_steps
-    promotions = 0 if policy is None or policy.adaptive is None else len(policy.adaptive.changes)
+    changes = [] if policy is None or policy.adaptive is None else policy.adaptive.changes
+    promotions = len(changes)
+    if record is not None:
+        trace["promotions"] = [{"step": c.step, "module": c.module, "to": c.after} for c in changes]
+        record[name] = trace
     amp.close()
     return final, skipped, promotions, statistics.median(times)
 
@@ -210,13 +228,24 @@ def main() -> None:
     parser.add_argument("--gpt-steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--deep-steps", type=int, default=200)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    out: dict[str, Any] = {"torch": torch.__version__, "args": settings}
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, cpu, {args.threads} thread(s)")
 
     print(f"\n1. overflowing module, {args.steps} steps")
     print(f"{'run':15} {'final loss':>11} {'vs fp32':>8} {'skipped':>8} {'promoted':>9} {'ms':>7}")
-    results = {n: overflow_run(n, args.steps) for n in ("fp32", "static fp16", "adaptive fp16")}
+    traces: dict[str, Any] = {}
+    results = {
+        n: overflow_run(n, args.steps, traces) for n in ("fp32", "static fp16", "adaptive fp16")
+    }
+    out["overflow"] = {
+        n: {"final_loss": r[0], "skipped": r[1], "promoted": r[2], "step_ms": r[3] * 1e3}
+        for n, r in results.items()
+    }
+    out["trajectories"] = traces
     ref = results["fp32"][0]
     for name, (final, skipped, promoted, step) in results.items():
         print(
@@ -232,11 +261,16 @@ def main() -> None:
     print(f"{'no monitor':16} {base * 1e3:10.2f}")
     print(f"{'monitor':16} {mon * 1e3:10.2f}")
     print(f"monitor cost per step: {(mon - base) * 1e3:.2f} ms = {(mon - base) / base:.1%}")
+    out["monitor"] = {"base_ms": base * 1e3, "monitor_ms": mon * 1e3}
 
     print(f"\n3. backward scales on a deep model, {args.deep_steps} steps")
     print(f"{'run':16} {'final loss':>11} {'vs fp32':>8} {'underflow':>10} {'2**k':>5} {'ms':>7}")
     deep_run("static fp16", 20)  # warm-up: the first run pays lazy initialisation
     deep = {n: deep_run(n, args.deep_steps) for n in ("fp32", "static fp16", "backward scales")}
+    out["backward_scales"] = {
+        n: {"final_loss": r[0], "underflow": r[1], "exponent": r[2], "step_ms": r[3] * 1e3}
+        for n, r in deep.items()
+    }
     ref = deep["fp32"][0]
     for name, (final, under, exponent, step) in deep.items():
         print(
@@ -257,6 +291,10 @@ def main() -> None:
     )  # the monitor alone (interval 10) vs the monitor plus backward scales
     print(f"GPT step, monitor alone {base * 1e3:.2f} ms, with backward scales "
           f"{scaled * 1e3:.2f} ms: ratio {scaled / base:.3f}")  # fmt: skip
+    out["backward_scales_gpt"] = {"monitor_ms": base * 1e3, "backward_scales_ms": scaled * 1e3}
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -15,12 +15,16 @@ gives the median of the process CPU time per step, which other processes disturb
 wall time, the ratio to torch (target <= 1.00), and the aten ops dispatched per step (counted by a
 ``TorchDispatchMode`` in a separate pass, so counting costs no measured time).
 
-    python benchmarks/host_overhead.py [--tensors 500] [--rounds 60]
+    python benchmarks/host_overhead.py [--tensors 500] [--rounds 60] [--json PATH]
+
+``--json PATH`` also writes the table's figures (per optimizer and path: each scaler's step and
+scaler-only milliseconds and op counts), for ``benchmarks/plots.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -150,7 +154,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tensors", type=int, default=500)
     p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args()
+    rows: list[dict[str, Any]] = []
     torch.set_num_threads(1)
     print(f"{args.tensors} parameter tensors, 1 thread, median CPU time of {args.rounds} steps")
     print("step = clip + step + update (optimizer included); scaler = the same without the")
@@ -165,6 +171,7 @@ def main() -> None:
     for opt_name in OPTIMIZERS:
         for path in PATHS:
             m = _measure(opt_name, path, args.tensors, args.rounds)
+            rows.append({"optimizer": opt_name, "path": path, **m})
             t = m["torch"]
             cells = [
                 f"{opt_name:14} {path:8} | {t['ms']:10.3f} {t['scaler_ms']:7.3f} {t['ops']:5.0f}"
@@ -174,6 +181,10 @@ def main() -> None:
                 ratio = f"{d['ms'] / t['ms']:.2f}/{d['scaler_ms'] / t['scaler_ms']:.2f}"
                 cells.append(f"{d['ms']:12.3f} {d['scaler_ms']:7.3f} {d['ops']:5.0f} {ratio:>11}")
             print(" | ".join(cells))
+    if args.json is not None:
+        report = {"torch": torch.__version__, "tensors": args.tensors, "rounds": args.rounds}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**report, "rows": rows}, indent=1) + "\n", "utf-8")
 
 
 if __name__ == "__main__":
