@@ -1,7 +1,7 @@
 """The documented import paths resolve: every name of ``distamp.__all__``, every
-``from distamp... import ...`` and every ``distamp.x.y`` the README writes.
+``from distamp... import ...`` and every ``distamp.x.y`` the README and the docs write.
 
-A module moved or a name renamed without the README following fails here, naming the path.
+A module moved or a name renamed without the docs following fails here, naming the path.
 """
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ import pytest
 
 import distamp
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+ROOT = Path(__file__).resolve().parents[1]
+# The README and every page of the docs site (the API reference's ``::: name`` lines included).
+README = "\n".join(
+    p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *sorted(ROOT.glob("docs/**/*.md"))]
+)
+DEVELOPMENT = (ROOT / "docs" / "development.md").read_text(encoding="utf-8")
 
 # ``from distamp.x import a, b`` (also parenthesised over several lines) inside the README.
 _FROM_IMPORT = re.compile(r"from (distamp(?:\.\w+)*) import \(?([\w\s,]+?)\)?(?:\n|$|#)", re.M)
@@ -72,7 +77,7 @@ def test_readme_import_resolves(module: str, name: str) -> None:
         if framework is not None:
             pytest.importorskip(framework, reason=f"{module} needs {framework}")
     mod = importlib.import_module(module)
-    assert hasattr(mod, name), f"README: `from {module} import {name}`: no such name"
+    assert hasattr(mod, name), f"docs: `from {module} import {name}`: no such name"
 
 
 @pytest.mark.parametrize("path", _readme_paths())
@@ -85,14 +90,14 @@ def test_readme_dotted_path_resolves(path: str) -> None:
     try:
         _resolve(path)
     except (ModuleNotFoundError, AttributeError) as exc:
-        pytest.fail(f"README names `{path}`, which does not resolve: {exc}")
+        pytest.fail(f"the README or the docs name `{path}`, which does not resolve: {exc}")
 
 
 def test_readme_folder_map_names_every_package_folder() -> None:
-    """The Development section's folder map lists each folder of the package, and only those."""
+    """The development page's folder map lists each folder of the package, and only those."""
     root = Path(distamp.__file__).parent
     folders = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
-    section = README.split("\n## Development\n", 1)[1]
+    section = DEVELOPMENT.split("\n## Where a change belongs\n", 1)[1]
     mapped = set(re.findall(r"^distamp/(\w+)/", section, re.M))
     assert mapped == folders, f"folder map {sorted(mapped)} vs package folders {sorted(folders)}"
 
