@@ -181,6 +181,15 @@ def test_python_block_runs(
     _run(argv, workdir, _id(example))
 
 
+@pytest.mark.parametrize("example", PYTHON, ids=_id)
+def test_python_block_is_lint_clean(example: CodeExample, eval_example: EvalExample) -> None:
+    """The examples follow the project's ruff rules (pyproject.toml) at its line length; only
+    an unread loop counter (B007) and an unread unpacked name (RUF059) are let through, which a
+    short example writes for the reader's sake."""
+    eval_example.set_config(line_length=100, target_version="py310", ruff_ignore=["B007", "RUF059"])
+    eval_example.lint_ruff(example)
+
+
 @pytest.mark.parametrize("block", BASH, ids=lambda b: b.name)
 def test_bash_block_runs(block: Block, workdir: Path) -> None:
     reason = _NOT_RUN.match(block.first_line)
