@@ -354,6 +354,39 @@ def test_kernel_pointer_tables_are_cached(device: str) -> None:
     assert kt.plan_cache_info()["misses"] == 2
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_kernel_tables_of_reallocated_gradients_are_readdressed(device: str) -> None:
+    """``zero_grad(set_to_none=True)`` gives every step new gradients of the same sizes. Their
+    table is re-addressed, not rebuilt, and the kernel reads the new tensors: each step unscales
+    and sums its own gradients, and an inf in the third step's is found."""
+    from distamp.kernels import triton as kt
+
+    kt.plan_cache_clear()
+    alive = []  # keeps each step's tensors, so that no address is reused
+    for step in range(3):
+        grads = make_grads([100, 5000, 7, 3000], torch.float32, device, seed=step)
+        if step == 2:
+            grads[2][1] = float("inf")
+        before = [g.clone() for g in grads]
+        found = torch.zeros((), device=device)
+        sumsq = unscale_check_sumsq_(
+            grads, found, torch.tensor(0.5, device=device), compute_sumsq=True, backend="triton"
+        )
+        alive.append(grads)
+        assert found.item() == (1.0 if step == 2 else 0.0), step
+        if step < 2:
+            assert_grads_same(grads, [b * 0.5 for b in before], 0.0)
+            assert_same(sumsq, exact_sumsq(before, 0.5), 1e-5, f"step {step}")
+    assert kt.plan_cache_info() == {"hits": 0, "misses": 3, "readdressed": 2, "size": 3}
+    # New addresses may be on another device too: still refused, naming the tensor.
+    other = "meta" if device == "cpu" else "cpu"
+    moved = [alive[0][0], alive[0][1], torch.ones(7, device=other), alive[0][3]]
+    with pytest.raises(ValueError, match=rf"grads\[2\] is on {other}"):
+        unscale_check_sumsq_(
+            moved, torch.zeros((), device=device), torch.ones((), device=device), backend="triton"
+        )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and HAS_CUDA), reason="needs CUDA and Triton")
 def test_cuda_auto_uses_triton_without_host_sync() -> None:
@@ -371,7 +404,7 @@ def test_cuda_auto_uses_triton_without_host_sync() -> None:
             unscale_check_sumsq_(grads, found, inv, compute_sumsq=True, per_tensor_flags=None)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert kt.plan_cache_info() == {"hits": 1, "misses": 1, "size": 1}
+    assert kt.plan_cache_info() == {"hits": 1, "misses": 1, "readdressed": 0, "size": 1}
 
 
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="parent process only; needs triton")

@@ -10,8 +10,11 @@ launch per dtype. Each group owns one int64 table on the device::
     [ address (T) | numel (T) | flag slot (T) | chunk's tensor (C) | chunk's index in it (C) ]
 
 Tables depend only on the gradients' addresses, sizes and dtypes, so they are cached under that
-key: gradients that persist between steps (or are re-allocated at the same addresses, as the
-caching allocator usually does) reuse the table and a cache hit launches kernels only.
+key: gradients that persist between steps (or are re-allocated at the same addresses) reuse the
+table and a cache hit launches kernels only. Gradients re-allocated elsewhere with the same sizes
+(``zero_grad(set_to_none=True)``, every step) keep everything but the addresses: the table is
+then re-addressed (one small upload) instead of rebuilt, the rebuild's per-tensor Python work
+being most of a step's host time with hundreds of tensors.
 
 Sum of squares without spurious overflow. Squares of finite fp32 values overflow fp32 (1e30² is
 not representable). Each program therefore scales its chunk by an exact power of two chosen from
@@ -36,7 +39,7 @@ import contextlib
 import operator
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -163,7 +166,9 @@ class _Plan:
 
 
 _plans: dict[tuple[object, ...], _Plan] = {}  # insertion order: oldest first
-_stats = {"hits": 0, "misses": 0}
+# The same plans keyed without the addresses (only their alignment), for re-addressing.
+_layouts: dict[tuple[object, ...], _Plan] = {}
+_stats = {"hits": 0, "misses": 0, "readdressed": 0}
 _auto_failed = False  # a launch failed under the automatic backend: stop trying
 
 
@@ -173,14 +178,18 @@ def auto_failed() -> bool:
 
 
 def plan_cache_info() -> dict[str, int]:
-    """Hits, misses and size of the pointer-table cache (for tests and benchmarks)."""
+    """Hits, misses (of which ``readdressed``: a known layout at new addresses) and size of the
+    pointer-table cache (for tests and benchmarks)."""
     return {**_stats, "size": len(_plans)}
 
 
-def plan_cache_clear() -> None:
-    """Drop every cached pointer table (they hold device memory)."""
+def plan_cache_clear(*, keep_layouts: bool = False) -> None:
+    """Drop every cached pointer table (they hold device memory). ``keep_layouts``: keep what
+    re-addressing needs, as after a step that re-allocated every gradient (benchmarks)."""
     _plans.clear()
-    _stats.update(hits=0, misses=0)
+    if not keep_layouts:
+        _layouts.clear()
+    _stats.update(hits=0, misses=0, readdressed=0)
 
 
 _dtype_of = operator.attrgetter("dtype")
@@ -243,6 +252,27 @@ def _build_plan(grads: Sequence[torch.Tensor], write: bool, device: torch.device
     return _Plan(tuple(launches), tuple(fallback), offset)
 
 
+def _readdress(like: _Plan, grads: Sequence[torch.Tensor], device: torch.device) -> _Plan:
+    """``like``'s launches with this call's addresses: the sizes, slots and chunk maps are the
+    same (the layout key pins them), so only the addresses are uploaded, next to a device copy of
+    the rest. A new table, not an update in place: ``like`` stays valid for its own addresses."""
+    for i, g in enumerate(grads):  # the addresses are new: so may be the devices
+        if g.device != device:
+            raise device_mismatch(i, g, device)
+    launches = []
+    for launch in like.launches:
+        addresses = torch.tensor([grads[i].data_ptr() for i in launch.indices], dtype=torch.int64)
+        meta = torch.cat([host_to_device(addresses, device), launch.meta[len(launch.indices) :]])
+        launches.append(replace(launch, meta=meta))
+    return replace(like, launches=tuple(launches))
+
+
+def _remember(cache: dict[tuple[object, ...], _Plan], key: tuple[object, ...], plan: _Plan) -> None:
+    cache[key] = plan
+    if len(cache) > _CACHE_SIZE:  # evict the oldest entry
+        del cache[next(iter(cache))]
+
+
 def _plan_for(
     grads: Sequence[torch.Tensor], write: bool, device: torch.device, build: bool = True
 ) -> _Plan | None:
@@ -259,14 +289,9 @@ def _plan_for(
         if all(contiguous)
         else tuple((i, g.shape, g.stride()) for i, g in enumerate(grads) if not contiguous[i])
     )
-    key = (
-        device,
-        write,
-        tuple(map(torch.Tensor.data_ptr, grads)),
-        tuple(map(torch.Tensor.numel, grads)),
-        tuple(map(_dtype_of, grads)),
-        layouts,
-    )
+    addresses = tuple(map(torch.Tensor.data_ptr, grads))
+    shapes = (device, write, tuple(map(torch.Tensor.numel, grads)), tuple(map(_dtype_of, grads)))
+    key = (*shapes, layouts, addresses)
     plan = _plans.get(key)
     if plan is not None:
         _stats["hits"] += 1
@@ -274,10 +299,16 @@ def _plan_for(
     _stats["misses"] += 1
     if not build:
         return None
-    plan = _build_plan(grads, write, device)
-    _plans[key] = plan
-    if len(_plans) > _CACHE_SIZE:  # evict the oldest entry
-        del _plans[next(iter(_plans))]
+    # What the launches are made of, but the addresses: sizes, dtypes, layouts and alignment.
+    layout_key = (*shapes, layouts, tuple(a % _ALIGN_BYTES == 0 for a in addresses))
+    like = _layouts.get(layout_key)
+    if like is None:
+        plan = _build_plan(grads, write, device)
+        _remember(_layouts, layout_key, plan)
+    else:
+        plan = _readdress(like, grads, device)
+        _stats["readdressed"] += 1
+    _remember(_plans, key, plan)
     return plan
 
 
