@@ -15,7 +15,7 @@ gives the median of the process CPU time per step, which other processes disturb
 wall time, the ratio to torch (target <= 1.00), and the aten ops dispatched per step (counted by a
 ``TorchDispatchMode`` in a separate pass, so counting costs no measured time).
 
-    python benchmarks/host_overhead.py [--tensors 500] [--rounds 60] [--json PATH]
+    python benchmarks/host_overhead.py [--tensors 500] [--rounds 60] [--device cpu] [--json PATH]
 
 ``--json PATH`` also writes the table's figures (per optimizer and path: each scaler's step and
 scaler-only milliseconds and op counts), for ``benchmarks/plots.py``.
@@ -74,14 +74,14 @@ class _Runner:
     """One model + optimizer + scaler; ``after_backward`` is the measured part. ``kind``:
     "torch", "distamp" (its one-pass clip) or "drop-in" (distamp's scaler, torch's calls)."""
 
-    def __init__(self, kind: str, opt_name: str, path: str, tensors: int) -> None:
-        self.model = _model(tensors)
+    def __init__(self, kind: str, opt_name: str, path: str, tensors: int, device: str) -> None:
+        self.model = _model(tensors).to(device)
         self.opt = _optimizer(opt_name, self.model.parameters())
         self.kind, self.clip = kind, path == "clip"
         self.scaler: Any = (
-            torch.amp.GradScaler("cpu") if kind == "torch" else DistributedGradScaler("cpu")
+            torch.amp.GradScaler(device) if kind == "torch" else DistributedGradScaler(device)
         )
-        self.x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+        self.x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)).to(device)
         # The optimizer's own update is the same whatever the scaler: timed apart, so that the
         # scaler's share is not lost in its noise.
         self.opt_time = 0.0
@@ -118,9 +118,11 @@ def _cpu_time(fn: Callable[[], None]) -> float:
     return time.process_time() - t
 
 
-def _measure(opt_name: str, path: str, tensors: int, rounds: int) -> dict[str, dict[str, float]]:
+def _measure(
+    opt_name: str, path: str, tensors: int, rounds: int, device: str
+) -> dict[str, dict[str, float]]:
     kinds = ("torch", "distamp", "drop-in")
-    runners = {k: _Runner(k, opt_name, path, tensors) for k in kinds}
+    runners = {k: _Runner(k, opt_name, path, tensors, device) for k in kinds}
     for _ in range(3):  # warm-up: optimizer state, caches
         for r in runners.values():
             r.backward()
@@ -155,10 +157,20 @@ def main() -> None:
     p.add_argument("--tensors", type=int, default=500)
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda; on CUDA the CPU time is the host's share, kernels run asynchronously",
+    )
     args = p.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("benchmarks/host_overhead.py: --device cuda, but torch sees no CUDA device")
     rows: list[dict[str, Any]] = []
     torch.set_num_threads(1)
-    print(f"{args.tensors} parameter tensors, 1 thread, median CPU time of {args.rounds} steps")
+    print(
+        f"{args.tensors} parameter tensors on {args.device}, 1 thread, "
+        f"median CPU time of {args.rounds} steps"
+    )
     print("step = clip + step + update (optimizer included); scaler = the same without the")
     print("optimizer's own update; ratios are distamp / torch")
     header = (
@@ -170,7 +182,7 @@ def main() -> None:
     print("-" * len(header))
     for opt_name in OPTIMIZERS:
         for path in PATHS:
-            m = _measure(opt_name, path, args.tensors, args.rounds)
+            m = _measure(opt_name, path, args.tensors, args.rounds, args.device)
             rows.append({"optimizer": opt_name, "path": path, **m})
             t = m["torch"]
             cells = [
@@ -182,7 +194,12 @@ def main() -> None:
                 cells.append(f"{d['ms']:12.3f} {d['scaler_ms']:7.3f} {d['ops']:5.0f} {ratio:>11}")
             print(" | ".join(cells))
     if args.json is not None:
-        report = {"torch": torch.__version__, "tensors": args.tensors, "rounds": args.rounds}
+        report = {
+            "torch": torch.__version__,
+            "device": args.device,
+            "tensors": args.tensors,
+            "rounds": args.rounds,
+        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**report, "rows": rows}, indent=1) + "\n", "utf-8")
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from distamp.cluster import free_port
 from distamp.cluster.spawn import run_ranks
 
@@ -48,6 +50,10 @@ def run_torchrun(script: Path, *args: str, timeout: float = 120, nproc: int = 2)
     ]
     env = launcher_free_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
+        # Fewer GPUs than ranks (NCCL refuses two ranks on one GPU): the ranks train on the CPU,
+        # as they do on a machine without a GPU.
+        env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.Popen(
         [*cmd, str(script), *args], cwd=ROOT, env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,

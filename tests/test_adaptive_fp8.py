@@ -63,7 +63,11 @@ def make(
         else None
     )
     amp = distamp.DistAMP(
-        precision, strategy="none", policy=policy, numerics_interval=None if adaptive else 2
+        precision,
+        strategy="none",
+        policy=policy,
+        numerics_interval=None if adaptive else 2,
+        device="cpu",
     )
     amp.setup(
         net,
@@ -170,7 +174,7 @@ def _fsdp2_float8_gather(rank: int, world: int) -> list[str]:
     out = []
     for gather in (None, False):  # None: the default, float8 all-gather under FSDP2
         policy = AutocastPolicy("fp8", fp8_min_features=16, adaptive=True, fp8_all_gather=gather)
-        amp = distamp.DistAMP("fp8", strategy="fsdp2", policy=policy)
+        amp = distamp.DistAMP("fp8", strategy="fsdp2", policy=policy, device="cpu")
         try:
             amp.setup(Net(), lambda p: torch.optim.AdamW(p))
             out.append("ok")
@@ -192,7 +196,7 @@ def _two_ranks(rank: int, world: int) -> dict[str, object]:
     torch.manual_seed(0)
     net = Net()
     policy = AutocastPolicy("fp8", fp8_min_features=16, adaptive=RULES)
-    amp = distamp.DistAMP("fp8", strategy="ddp", policy=policy)
+    amp = distamp.DistAMP("fp8", strategy="ddp", policy=policy, device="cpu")
     amp.setup(net, lambda p: torch.optim.AdamW(p, lr=3e-3))
     for k in range(8):
         x, y = batch(100 * rank + k, spike=rank == 1)  # only rank 1's input has the outlier

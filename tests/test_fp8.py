@@ -118,7 +118,9 @@ def test_conversion_keeps_state_dict_and_runs_scaled_mm() -> None:
     _torchao()
     torch.manual_seed(0)
     reference = GPT(SMALL).state_dict()
-    amp = DistAMP(precision="fp8", strategy="none", policy=_policy("fp8", fp8_exclude=["head"]))
+    amp = DistAMP(
+        precision="fp8", strategy="none", policy=_policy("fp8", fp8_exclude=["head"]), device="cpu"
+    )
     torch.manual_seed(0)
     model, _ = amp.setup(GPT(SMALL), lambda p: torch.optim.AdamW(p, lr=1e-2))
     assert amp.scaler.check_only and amp.fp8 is not None
@@ -188,14 +190,18 @@ def test_convert_for_fp8_and_the_float8_tensor_parallel_plan() -> None:
 def test_rowwise_recipe_and_default_threshold_warning() -> None:
     _torchao()
     torch.manual_seed(0)
-    amp = DistAMP(precision="fp8", strategy="none", policy=_policy("fp8", recipe="rowwise"))
+    amp = DistAMP(
+        precision="fp8", strategy="none", policy=_policy("fp8", recipe="rowwise"), device="cpu"
+    )
     model, _ = amp.setup(GPT(SMALL), lambda p: torch.optim.SGD(p, lr=0.1))
     assert "axs" in repr(model.blocks[0].fc)  # torchao's short name for axiswise scaling
     with amp.autocast():
         loss = lm_loss(model, _batch(0, 1))
     assert amp.backward_and_step(loss).stepped and math.isfinite(loss.item())  # type: ignore[union-attr]
     with pytest.warns(RuntimeWarning, match="no Linear layer qualifies"):
-        DistAMP(precision="fp8", strategy="none").setup(GPT(SMALL), lambda p: torch.optim.SGD(p))
+        DistAMP(precision="fp8", strategy="none", device="cpu").setup(
+            GPT(SMALL), lambda p: torch.optim.SGD(p)
+        )
 
 
 def test_overflow_report_names_the_saturated_fp8_layer() -> None:
@@ -203,7 +209,9 @@ def test_overflow_report_names_the_saturated_fp8_layer() -> None:
     skipped and the engine's report names that layer first (from the forward tracer)."""
     _torchao()
     torch.manual_seed(0)
-    amp = DistAMP(precision="fp8", strategy="none", policy=_policy("fp8"), trace_nonfinite=True)
+    amp = DistAMP(
+        precision="fp8", strategy="none", policy=_policy("fp8"), trace_nonfinite=True, device="cpu"
+    )
     model, _ = amp.setup(GPT(SMALL), lambda p: torch.optim.SGD(p, lr=0.1))
 
     def one_inf(_m: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
@@ -227,7 +235,7 @@ def test_compile_guard_raises_instead_of_compiling() -> None:
     from distamp.precision.fp8 import install_compile_guard
 
     torch.manual_seed(0)
-    amp = DistAMP(precision="fp8", strategy="none", policy=_policy("fp8"))
+    amp = DistAMP(precision="fp8", strategy="none", policy=_policy("fp8"), device="cpu")
     model, _ = amp.setup(GPT(SMALL), lambda p: torch.optim.SGD(p, lr=0.1))
     install_compile_guard(model.blocks[0].fc, "refused: use strategy='fsdp2'")
     x = _batch(0, 2)[0]
@@ -253,7 +261,11 @@ def _train(rank: int, world: int, strategy: str, precision: str, steps: int) -> 
 
     torch.manual_seed(0)
     amp = DistAMP(
-        precision=precision, strategy=strategy, policy=_policy(precision), max_grad_norm=1.0
+        precision=precision,
+        strategy=strategy,
+        policy=_policy(precision),
+        max_grad_norm=1.0,
+        device="cpu",
     )
     model, _ = amp.setup(
         GPT(GPTConfig()),
@@ -316,7 +328,11 @@ def _engine(strategy: str, precision: str, seed: int = 0) -> tuple[DistAMP, nn.M
     torch.manual_seed(seed)
     shard = 1 if strategy == "hsdp" else None  # HSDP on 2 ranks: 2 replicas of 1 shard
     amp = DistAMP(
-        precision=precision, strategy=strategy, policy=_policy(precision), hsdp_shard_size=shard
+        precision=precision,
+        strategy=strategy,
+        policy=_policy(precision),
+        hsdp_shard_size=shard,
+        device="cpu",
     )
     model, _ = amp.setup(GPT(SMALL), lambda p: torch.optim.AdamW(p, lr=1e-2))
     return amp, model
@@ -415,7 +431,9 @@ def _ddp_matches_one_process(rank: int) -> None:
     ddp, model = _engine("ddp", "fp8")
     _steps(ddp, model, rank, range(3))
     torch.manual_seed(0)
-    one = DistAMP(precision="fp8", strategy="none", policy=_policy("fp8"), grad_accum_steps=2)
+    one = DistAMP(
+        precision="fp8", strategy="none", policy=_policy("fp8"), grad_accum_steps=2, device="cpu"
+    )
     single, _ = one.setup(GPT(SMALL), lambda p: torch.optim.AdamW(p, lr=1e-2))
     for k in range(3):
         for r in range(2):

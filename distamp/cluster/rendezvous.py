@@ -79,12 +79,16 @@ def init_distributed(
         count = torch.cuda.device_count()
         if env.local_rank < count:
             torch.cuda.set_device(env.local_rank)
-        elif count == 1:  # one visible GPU per process (SLURM --gpus-per-task): it is this rank's
+        elif count == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
+            # One visible GPU per process, chosen by the launcher (SLURM --gpus-per-task).
             torch.cuda.set_device(0)
         elif "nccl" in backend:
+            # Without this, NCCL fails later and less clearly ("Duplicate GPU detected").
             raise ValueError(
-                f"local rank {env.local_rank} has no GPU: only {count} are visible on this node; "
-                "start at most one process per GPU"
+                f"local rank {env.local_rank} has no GPU of its own: {count} visible on this node "
+                f"for {env.local_world_size} processes, and NCCL needs one GPU per process; "
+                f"start at most {count} per node (--nproc-per-node {count}), or train on the CPU "
+                "(CUDA_VISIBLE_DEVICES= hides the GPUs; gloo is then the backend)"
             )
     if env.main_address is None or env.main_port is None:
         env = share_main_address(env)
