@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -328,6 +329,9 @@ def _build_pp(layout: Layout, rank: int, loss_fn: Callable[..., Any]) -> Built:
                 "input_grads": None if sid == 0 else x,  # the model's input needs no grad
                 "output_grads": None if sid == num_stages - 1 else y,  # the loss's
             }
+        # input_grads/output_grads exist from torch 2.12; older releases take the shapes alone.
+        accepted = inspect.signature(PipelineStage).parameters
+        meta = {k: v for k, v in meta.items() if k in accepted}
         stage = PipelineStage(module, sid, num_stages, torch.device("cpu"), group=pp_group, **meta)
         if layout.register == "stage":
             to_register.append(stage)

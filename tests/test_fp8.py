@@ -19,10 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks, run_torchrun
+from packaging.version import Version
 from torch import nn
 
 from distamp import AutocastPolicy, DistAMP, audit, parse_precision
 from distamp.precision.fp8 import DEFAULT_MIN_FEATURES, plan_linears, torchao_version_tested
+from distamp.versions import TORCH_FEATURES
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -35,6 +37,13 @@ LOSS_STEPS = 50  # see test_fp8_final_loss_within_2_percent_of_bf16
 
 def _torchao() -> Any:
     return pytest.importorskip("torchao.float8", reason="precision='fp8' needs torchao")
+
+
+def _rowwise_on_cpu() -> None:
+    """The rowwise recipe's CPU GEMM needs a newer torch than the window's floor."""
+    need = TORCH_FEATURES["fp8-rowwise-cpu"]
+    if Version(Version(torch.__version__).public) < Version(need.since):
+        pytest.skip(f"{need.feature} needs torch >= {need.since}: {need.reason}")
 
 
 def _fp8_layers(model: nn.Module) -> list[str]:
@@ -189,6 +198,7 @@ def test_convert_for_fp8_and_the_float8_tensor_parallel_plan() -> None:
 
 def test_rowwise_recipe_and_default_threshold_warning() -> None:
     _torchao()
+    _rowwise_on_cpu()
     torch.manual_seed(0)
     amp = DistAMP(
         precision="fp8", strategy="none", policy=_policy("fp8", recipe="rowwise"), device="cpu"
@@ -515,6 +525,8 @@ def test_fp8_mesh_example_trains_tensor_parallel(recipe: str) -> None:
     Tensorwise: torchao's float8 TP styles, every float8 weight gathered in float8. Rowwise:
     the plain TP styles and bf16 gathers (torchao has neither float8 variant for it)."""
     _torchao()
+    if recipe == "rowwise":
+        _rowwise_on_cpu()
     out = run_torchrun(
         REPO / "launch" / "fp8_mesh_example.py", "--steps", "20", "--recipe", recipe, timeout=150
     )

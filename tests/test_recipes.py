@@ -363,7 +363,7 @@ def test_base_image_is_a_pinned_cuda_pytorch_tag() -> None:
         r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda(\d+\.\d+)-cudnn(\d+)-runtime(@sha256:\w+)?", image
     )
     assert m, f"{image}: want pytorch/pytorch:<version>-cuda<x.y>-cudnn<z>-runtime"
-    assert tuple(int(p) for p in m[1].split(".")) >= (2, 9), "torchrun forwards SIGUSR1 from 2.9"
+    assert tuple(int(p) for p in m[1].split(".")) >= (2, 10), "torchrun relays SIGUSR1 from 2.10"
     from packaging.version import Version
 
     from distamp.versions import TORCH

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ("dp x tp", "pp x dp", "experts")
@@ -33,6 +35,10 @@ def _rows(lines: list[str], layout: str, precision: str) -> list[str]:
 @pytest.mark.parametrize("precision", ["fp16", "fp8"])
 def test_scale_sim_sets_up_and_steps_at_4096_ranks(precision: str) -> None:
     pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    if Version(Version(torch.__version__).public) < Version("2.13"):
+        # torch's own test tool: before 2.13 its reduce-scatter returns uninitialised memory, so
+        # the simulated gradients are garbage and every step skips (nothing to time).
+        pytest.skip("torch's fake process group reduce-scatters garbage before torch 2.13")
     if precision == "fp8":
         pytest.importorskip("torchao.float8")
     lines = _run("8,4096", precision)

@@ -3,7 +3,6 @@ strings (no installs, no network), and pyproject.toml's extras declaring the tab
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import warnings
 from pathlib import Path
@@ -195,8 +194,8 @@ def test_the_running_torch_is_inside_its_window() -> None:
 
 
 def test_torch_older_than_the_floor_is_refused_and_newer_warns() -> None:
-    with pytest.raises(ImportError, match=r"torch 2\.8\.0 is older .*torch 2\.9\.1 to") as e:
-        check_torch(installed="2.8.0")
+    with pytest.raises(ImportError, match=r"torch 2\.10\.0 is older .*torch 2\.11\.0 to") as e:
+        check_torch(installed="2.10.0")
     assert f'pip install "torch>={TORCH.floor}"' in str(e.value)
     newer = f"{Version(TORCH.newest).major}.{Version(TORCH.newest).minor + 1}.0+cu130"
     with pytest.warns(UnverifiedVersionWarning, match=r"torch .* is newer"):
@@ -219,17 +218,21 @@ def test_a_feature_on_a_too_old_torch_is_refused_naming_what_it_needs(key: str) 
     require_torch(key, installed=f"{need.since}+cpu")
 
 
-def test_fp8_on_a_too_old_torch_is_an_import_error_naming_torch(
+def test_fp8_rowwise_on_the_cpu_with_a_too_old_torch_is_refused_before_conversion(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """What ``DistAMP(precision="fp8")`` reports on torch 2.9: the torch it needs, not an
-    ImportError from inside torchao."""
-    import distamp.precision.fp8_torchao as fp8_torchao
+    """What ``DistAMP(precision=AutocastPolicy("fp8", recipe="rowwise"))`` reports on the CPU with
+    torch 2.11: the torch it needs, before any layer is swapped, not torch's internal assert from
+    the first float8 GEMM. The tensorwise recipe is not refused."""
+    import torch
 
-    if importlib.util.find_spec("torchao") is None:
-        pytest.skip("needs the fp8 extra (torchao)")
-    monkeypatch.setattr(
-        fp8_torchao, "require_torch", lambda key: require_torch(key, installed="2.9.1")
-    )
-    with pytest.raises(ImportError, match=r"precision='fp8'.*needs torch >= 2\.10\.0"):
-        fp8_torchao.require_torchao()
+    from distamp.precision import fp8_torchao
+
+    cpu = torch.device("cpu")
+    with monkeypatch.context() as m:
+        m.setattr(fp8_torchao, "require_torch", lambda k: require_torch(k, installed="2.11.0"))
+        with pytest.raises(RuntimeError, match=r"rowwise recipe on the CPU needs torch >= 2\.12"):
+            fp8_torchao.check_device(cpu, "rowwise")
+        fp8_torchao.check_device(cpu, "tensorwise")
+    if Version(torch.__version__.split("+")[0]) >= Version("2.12.0"):
+        fp8_torchao.check_device(cpu, "rowwise")  # this torch: nothing to refuse

@@ -134,7 +134,7 @@ _BODIES: Mapping[str, str] = {
 NPROC_PER_NODE="${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}"
 require NPROC_PER_NODE "request GPUs (--gpus-per-node) or set NPROC_PER_NODE"
 RDZV_PORT="${RDZV_PORT:-$((10000 + SLURM_JOB_ID % 20000))}"
-# torchrun forwards only SIGTERM/INT/HUP/QUIT to its workers unless told (torch >= 2.9 reads
+# torchrun forwards only SIGTERM/INT/HUP/QUIT to its workers unless told (torch >= 2.10 reads
 # this; older versions ignore it and die of SIGUSR1), and gives them this long to save.
 export PET_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 export PET_SHUTDOWN_TIMEOUT="${PET_SHUTDOWN_TIMEOUT:-80}"

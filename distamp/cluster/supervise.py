@@ -213,7 +213,7 @@ def run_torchrun(argv: Sequence[str], *, grace_s: float = GRACE_S) -> int:
 
     options = list(argv)
     if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:
-        # torch >= 2.9: torchrun would install its own handlers for SIGTERM and SIGINT when the
+        # torch >= 2.10: torchrun would install its own handlers for SIGTERM and SIGINT when the
         # ranks start, replacing the relay's. Older versions do so regardless; they then stop
         # the ranks themselves (exit 128 + N, the ranks' own codes unknown).
         options = ["--signals-to-handle", "SIGHUP,SIGQUIT", *options]

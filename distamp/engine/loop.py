@@ -19,7 +19,6 @@ from distamp.cluster import named_collective
 from distamp.engine.accounting import MicroBatchCycle, SkipReports
 from distamp.engine.config import AMPConfig
 from distamp.observe.metrics import Metrics, StepResult, WindowStats
-from distamp.parallel.topology import check_pipeline_torch
 from distamp.precision.fp8 import Float8Training
 from distamp.scaler import DistributedGradScaler
 from distamp.torch_compat import is_pipeline_stage
@@ -171,7 +170,6 @@ def pipeline_stages(model: Any) -> tuple[list[Any], nn.Module]:
     and the model itself, one ``torch.distributed.pipelining`` stage and its module, or a list
     of this rank's stages and a ``ModuleDict`` of their modules keyed by global stage index."""
     if is_pipeline_stage(model):
-        check_pipeline_torch(model)
         return [model], model.submod
     if isinstance(model, (list, tuple)):
         if not model or not all(is_pipeline_stage(s) for s in model):
@@ -180,8 +178,6 @@ def pipeline_stages(model: Any) -> tuple[list[Any], nn.Module]:
                 "setup(): a list must hold this rank's torch.distributed.pipelining stages "
                 f"(several for interleaved schedules), got {', '.join(kinds)}"
             )
-        for stage in model:
-            check_pipeline_torch(stage)
         indices = [s.stage_index for s in model]
         if len(set(indices)) != len(indices):
             raise ValueError(f"setup(): the stages' indices repeat: {indices}")

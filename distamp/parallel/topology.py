@@ -47,7 +47,6 @@ from distamp.cluster import is_distributed
 from distamp.parallel.reduction import FlagReducer, GroupSpec
 from distamp.parallel.replicas import ManagerGroup, is_ft_manager
 from distamp.torch_compat import fsdp1_replica_group, is_pipeline_stage
-from distamp.versions import require_torch
 
 __all__ = [
     "Topology",
@@ -235,17 +234,6 @@ class _ForwardSync:
     synced: bool = False
 
 
-def check_pipeline_torch(stage: Any) -> None:
-    """Refuse a CPU pipeline stage over gloo on a torch whose schedules abort there
-    (:data:`distamp.versions.TORCH_FEATURES` ``"pipeline-gloo"``): at registration, with the
-    fix, instead of a gloo error in the first schedule step."""
-    device = getattr(stage, "device", None)
-    if device is None or torch.device(device).type != "cpu" or not dist.is_initialized():
-        return
-    if "gloo" in str(dist.get_backend(getattr(stage, "group", None))):
-        require_torch("pipeline-gloo")
-
-
 class Topology:
     """Who must agree and how many copies of each gradient element exist (see module doc).
 
@@ -306,7 +294,6 @@ class Topology:
 
         stage_group = None
         if is_pipeline_stage(module):
-            check_pipeline_torch(module)
             stage_group = module.group
             module = module.submod
         if not isinstance(module, nn.Module):

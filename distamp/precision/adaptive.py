@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -131,10 +131,14 @@ class PrecisionChange:
         return f"step {self.step}: {self.module} {self.before} -> {self.after} ({self.reason})"
 
 
-def _autocast_on(device_types: tuple[str, ...]) -> Iterator[str]:
-    for kind in device_types:
-        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-            yield kind
+# Read once, outside any compiled frame: torch 2.11's dynamo cannot trace the availability check
+# (a builtin), and breaks the promoted forward's graph on it.
+_AUTOCAST_KINDS = tuple(k for k in ("cpu", "cuda") if torch.amp.is_autocast_available(k))
+
+
+def _autocast_on() -> list[str]:
+    """The device types whose autocast is on here (a plain list: no generator to trace)."""
+    return [kind for kind in _AUTOCAST_KINDS if torch.is_autocast_enabled(kind)]
 
 
 class _Upcast(TorchFunctionMode):
@@ -166,7 +170,7 @@ class _Island:
         inner = type(module).forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            kinds = list(_autocast_on(("cpu", "cuda")))
+            kinds = _autocast_on()
             if not kinds:
                 return inner(module, *args, **kwargs)
             args, kwargs = to_fp32(args), to_fp32(kwargs)

@@ -129,14 +129,15 @@ class Float8Training:
 
         Raises:
             ImportError: torchao missing or outside the tested range.
-            RuntimeError: a CUDA device without float8 support.
+            RuntimeError: a CUDA device without float8 support, or the rowwise recipe on the
+                CPU with torch < 2.12.
             ValueError: a name pattern of ``policy`` that matches nothing in ``model``.
         """
         ao = require_torchao()
-        check_device(device)
-        policy.check_patterns(model)  # a misspelt pattern refused before any layer is swapped
         settings = policy.fp8
         assert settings is not None, "convert() needs an fp8 policy"
+        check_device(device, settings.recipe)
+        policy.check_patterns(model)  # a misspelt pattern refused before any layer is swapped
         choices = plan_linears(model, policy)
         selected = {c.name for c in choices if c.fp8}
         all_gather = (

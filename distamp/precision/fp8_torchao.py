@@ -63,12 +63,11 @@ def require_torchao() -> ModuleType:
 
     Raises:
         ImportError: torchao is not installed, outside its window or a known break (float8
-            APIs change between releases), or torch is older than torchao needs.
+            APIs change between releases).
     """
     try:
         check_version("torchao")
-        require_torch("fp8")
-    except (ImportError, RuntimeError) as e:
+    except ImportError as e:
         raise ImportError(f"precision='fp8': {e}") from e.__cause__
     with _quiet_torchao_import():
         return importlib.import_module("torchao.float8")
@@ -103,7 +102,10 @@ def fp8_support() -> dict[str, Any]:
     }
 
 
-def check_device(device: torch.device) -> None:
+def check_device(device: torch.device, recipe: str = "tensorwise") -> None:
+    """Refuse a device that cannot run the recipe's float8 GEMMs, before any layer is swapped."""
+    if device.type == "cpu" and recipe == "rowwise":
+        require_torch("fp8-rowwise-cpu")
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(index)
