@@ -25,7 +25,9 @@ from distamp.engine import DistAMP
 from distamp.engine.checkpoint import CheckpointError
 from distamp.observe.metrics import StepResult
 from distamp.observe.writers import ProgressPrinter, make_writer
+from distamp.precision.adaptive import AdaptiveRules, PrecisionChange
 from distamp.precision.audit import audit
+from distamp.precision.backward_scales import BackwardScaleChange, BackwardScaleRules
 from distamp.precision.policy import AutocastPolicy, parse_precision
 from distamp.scaler import DistributedGradScaler, ScalerStateError, ScaleUnderflowError
 
@@ -37,6 +39,12 @@ __all__ = [
     "StepResult",
     "audit",
     "parse_precision",
+    # adaptive precision: the rules of AutocastPolicy(adaptive=..., backward_scales=...) and
+    # the records of what they changed
+    "AdaptiveRules",
+    "BackwardScaleChange",
+    "BackwardScaleRules",
+    "PrecisionChange",
     # launching
     "DistEnv",
     "detect_environment",

@@ -68,11 +68,16 @@ def batch(
 
 
 def make(
-    precision: str, adaptive: bool, *, strategy: str = "none", numerics: int | None = None
+    precision: str,
+    adaptive: bool,
+    *,
+    strategy: str = "none",
+    numerics: int | None = None,
+    rules: AdaptiveRules = RULES,
 ) -> tuple[distamp.DistAMP, nn.Module, AutocastPolicy | None]:
     torch.manual_seed(0)
     net = Net()
-    policy = AutocastPolicy(precision, adaptive=RULES) if adaptive else None
+    policy = AutocastPolicy(precision, adaptive=rules) if adaptive else None
     amp = distamp.DistAMP(precision, strategy=strategy, policy=policy, numerics_interval=numerics)
     amp.setup(
         net,
@@ -173,17 +178,52 @@ def test_adaptive_promotes_and_matches_fp32() -> None:
     amp.close()
 
 
-def test_cap_refuses_with_a_warning() -> None:
+def test_cap_refuses_with_a_warning_while_the_run_still_steps() -> None:
+    """Spikes on every third batch: the run steps between them, so the cap holds (``hot`` is
+    30% of the parameters) and the skips go on, named in the warning."""
     torch.manual_seed(0)
     policy = AutocastPolicy(
         "fp16", adaptive=AdaptiveRules(interval=2, skips=2, max_promoted_fraction=0.1)
     )
     amp = distamp.DistAMP("fp16", strategy="none", policy=policy)
     amp.setup(Net(), lambda p: torch.optim.AdamW(p, lr=2e-2))
-    with pytest.warns(RuntimeWarning, match="max_promoted_fraction=0.1"):
-        train(amp, 0, 6)
+    with pytest.warns(RuntimeWarning, match="not promoting 'hot'.*max_promoted_fraction=0.1"):
+        for k in range(12):
+            train(amp, k, k + 1, spiky=k % 3 == 0)
     assert policy.adaptive is not None and policy.adaptive.changes == []
+    assert amp.scaler.skipped_steps == 4
     amp.close()
+
+
+def _dead_run_rescued(rank: int, world: int) -> dict[str, object]:
+    """The default rules, ``hot`` (29.8% of the parameters) over the default cap of 25%, and only
+    rank 1's data overflowing; then the same run in fp32."""
+    rules = AdaptiveRules()
+    amp, net, policy = make("fp16", True, strategy="ddp", rules=rules)
+    with pytest.warns(RuntimeWarning, match=r"promoting 'hot'.*over the cap.*29\.8% of the"):
+        train(amp, 0, STEPS, rank=rank, spiky=rank == 1)
+    assert policy is not None and policy.adaptive is not None
+    reason = policy.adaptive.changes[0].reason
+    loss = eval_loss(net)
+    out = _outcome(amp, net, policy)
+    ref_amp, ref_net, _ = make("fp32", False, strategy="ddp")
+    train(ref_amp, 0, STEPS, rank=rank, spiky=rank == 1)
+    ref = eval_loss(ref_net)
+    ref_amp.close()
+    return {**out, "loss": loss, "fp32": ref, "reason": reason}
+
+
+def test_default_cap_yields_when_no_step_can_be_taken() -> None:
+    """A module over ``max_promoted_fraction`` that makes every step skip is promoted at the
+    first report anyway: 140 of 150 steps step (not 0), on both ranks alike, and the run ends
+    within 5% of fp32 (the same run, same data, in fp32)."""
+    r0, r1 = run_ranks(_dead_run_rescued, 2, timeout=240)
+    assert r0["changes"] == r1["changes"] == [(10, "hot")]
+    assert r0["skipped"] == r1["skipped"] == 10
+    assert r0["params"] == r1["params"]
+    assert "no step could be taken" in str(r0["reason"])
+    loss, ref = float(r0["loss"]), float(r0["fp32"])  # type: ignore[arg-type]
+    assert abs(loss - ref) / ref < 0.05, (loss, ref)
 
 
 def test_save_resume_is_bitwise_equal(tmp_path: Path) -> None:

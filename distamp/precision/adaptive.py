@@ -17,7 +17,12 @@ statistics of :class:`distamp.observe.numerics.NumericMonitor`:
 - optionally (``demote=True``) a promoted module whose headroom stays under ``demote_below`` for
   ``calm_reports`` reports with no skip blamed on it goes back; a module promoted a second time
   stays promoted for good (hysteresis: it cannot oscillate);
-- promotions stop at ``max_promoted_fraction`` of the model's parameters, with a warning.
+- promotions stop at ``max_promoted_fraction`` of the model's parameters, with a warning,
+  except where the run could not go on: when every step since the previous report skipped (at
+  least ``min(window, interval)`` in a row, up to the report) and a module is blamed for them,
+  the cap yields and that module is promoted anyway, with a warning naming it, the share of the
+  parameters and how to avoid it. A cap that holds there would leave a run whose every step
+  skips until the loss scale underflows: the cap bounds the cost, a dead run costs everything.
 
 Decisions run only on reports, which are identical on every rank (their numbers rode the
 step's one flag collective), so every rank changes the same modules at the same step. Every
@@ -296,6 +301,7 @@ class AdaptivePrecision:
         """Apply the rules to one agreed report; returns (and logs) the changes made."""
         made: list[PrecisionChange] = []
         blamed_now = set()
+        stalled = self._stalled(stats)
         for step, module in stats.skips:
             del step
             self._history.append(module)
@@ -305,7 +311,7 @@ class AdaptivePrecision:
             count = sum(1 for m in self._history if m == module)
             if count >= self.rules.skips:
                 reason = f"caused {count} of the last {len(self._history)} skipped steps"
-                if self._promote(stats.step, module, reason, made):
+                if self._promote(stats.step, module, reason, made, stalled=stalled):
                     self._history = deque(
                         (m for m in self._history if m != module), maxlen=self.rules.window
                     )
@@ -351,16 +357,44 @@ class AdaptivePrecision:
             reason = f"headroom < {self.rules.demote_below} for {calm} reports"
             self._change(PrecisionChange(step, module, "fp32", self.low, reason), made)
 
-    def _promote(self, step: int, module: str, reason: str, made: list[PrecisionChange]) -> bool:
+    def _stalled(self, stats: NumericStats) -> bool:
+        """Whether no step was taken since the previous report: its last ``min(window,
+        interval)`` steps, up to the report's own (skips are numbered from 1), all skipped.
+        Read from the report alone (identical on every rank, nothing to checkpoint)."""
+        need = min(self.rules.window, self.rules.interval)
+        steps = [s for s, _ in stats.skips[-need:]]
+        return len(steps) == need and steps == list(range(stats.step - need + 1, stats.step + 1))
+
+    def _promote(
+        self,
+        step: int,
+        module: str,
+        reason: str,
+        made: list[PrecisionChange],
+        *,
+        stalled: bool = False,
+    ) -> bool:
         if module in self._fixed or module not in self._modules:
             return False
         share = sum(self._numel[m] for m in self._handles) + self._numel.get(module, 0)
-        if share / self._total > self.rules.max_promoted_fraction:
+        wider = _WIDER[self._low_of(module)]
+        if share / self._total > self.rules.max_promoted_fraction and stalled:
+            warnings.warn(
+                f"adaptive precision: promoting {module!r} ({reason}) over the cap: it puts "
+                f"{share / self._total:.1%} of the parameters in {wider}, more than "
+                f"max_promoted_fraction={self.rules.max_promoted_fraction}, but every step since "
+                "the last report skipped and the run cannot go on without it. To start it "
+                f"there, add {module!r} to the policy's fp32_modules (or raise the cap)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            reason += "; over max_promoted_fraction, as no step could be taken"
+        elif share / self._total > self.rules.max_promoted_fraction:
             if module not in self._refused:
                 self._refused.add(module)
                 warnings.warn(
                     f"adaptive precision: not promoting {module!r} ({reason}): it would put "
-                    f"{share / self._total:.1%} of the parameters in fp32, over "
+                    f"{share / self._total:.1%} of the parameters in {wider}, over "
                     f"max_promoted_fraction={self.rules.max_promoted_fraction}; raise the cap "
                     "or add the module to fp32_modules",
                     RuntimeWarning,
@@ -370,7 +404,7 @@ class AdaptivePrecision:
         low = self._low_of(module)
         if any(c.module == module and c.after == low for c in self.changes):
             self._pinned.add(module)  # promoted again after a demotion: stays
-        self._change(PrecisionChange(step, module, low, _WIDER[low], reason), made)
+        self._change(PrecisionChange(step, module, low, wider, reason), made)
         return True
 
     def _low_of(self, module: str) -> str:
