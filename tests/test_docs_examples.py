@@ -190,11 +190,12 @@ def test_python_block_is_lint_clean(example: CodeExample, eval_example: EvalExam
     eval_example.lint_ruff(example)
 
 
-@pytest.mark.parametrize("block", BASH, ids=lambda b: b.name)
+@pytest.mark.parametrize(
+    "block", [b for b in BASH if _NOT_RUN.match(b.first_line) is None], ids=lambda b: b.name
+)
 def test_bash_block_runs(block: Block, workdir: Path) -> None:
-    reason = _NOT_RUN.match(block.first_line)
-    if reason is not None:
-        pytest.skip(f"not run: {reason.group(1)}")
+    """The blocks marked not run (checked below: a known reason, few) are not collected, so the
+    suite's skips stay the GPU's alone."""
     _run(["bash", "-euo", "pipefail", "-c", block.source], workdir, block.name)
 
 
