@@ -419,23 +419,3 @@ def test_tensor_parallel_promotes_on_every_rank_as_one_process_does() -> None:
         diff = (torch.tensor(got) - want.detach().flatten()).abs().max().item()
         assert diff < 1e-3, diff
     amp.close()
-
-
-@pytest.mark.parametrize("plugin", ["accelerate", "fabric", "trainer"])
-@pytest.mark.parametrize("setting", ["adaptive", "backward_scales"])
-def test_framework_plugins_refuse_rules_they_cannot_drive(plugin: str, setting: str) -> None:
-    """The rules are decided at DistAMP's steps; a plug-in would ignore them without a word."""
-    policy = AutocastPolicy("fp16", **{setting: True})
-    if plugin == "accelerate":
-        pytest.importorskip("accelerate", reason="needs distamp[accelerate]")
-        from distamp.integrations.accelerate import DistAMPAccelerator as build
-    elif plugin == "fabric":
-        pytest.importorskip("lightning", reason="needs distamp[lightning]")
-        from distamp.integrations.lightning import DistAMPPrecision as build
-    else:
-        pytest.importorskip("lightning", reason="needs distamp[lightning]")
-        from distamp.integrations.lightning_trainer import DistAMPTrainerPrecision as build
-    kwargs: dict[str, Any] = {"policy": policy}
-    kwargs.update({"mixed_precision": "fp16", "cpu": True} if plugin == "accelerate" else {})
-    with pytest.raises(ValueError, match=f"{setting}=.*distamp.DistAMP"):
-        build(**kwargs)

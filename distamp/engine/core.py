@@ -29,7 +29,6 @@ from distamp.cluster import (
     shutdown_distributed,
 )
 from distamp.engine.accounting import MicroBatchCycle, SkipReports
-from distamp.engine.adaptive_run import AdaptiveRun
 from distamp.engine.checkpoint import apply_checkpoint, read_checkpoint, save_checkpoint
 from distamp.engine.config import (
     AMPConfig,
@@ -59,6 +58,7 @@ from distamp.parallel.strategies import (
     register_comm_hook,
     resolve_strategy,
 )
+from distamp.precision.adaptive_run import AdaptiveRun
 from distamp.precision.fp8 import Float8Training
 from distamp.precision.patterns import gather_modules, job_modules
 from distamp.precision.policy import (
@@ -132,7 +132,7 @@ class DistAMP(RunLoop):
     metrics: Metrics  # on-device window counters, reduced at logging steps
     tracer: NonFiniteTracer | None  # forward non-finite tracing (trace_nonfinite=True)
     fp8: Float8Training | None  # torchao float8 layers and their FSDP2 weight scales
-    adaptive: AdaptiveRun | None  # numeric monitor + adaptive precision (engine/adaptive_run.py)
+    adaptive: AdaptiveRun | None  # numeric monitor + adaptive precision (precision/adaptive_run.py)
     quorum: QuorumSchedule | None  # with ft_manager: when each step's torchft quorum starts
     comm_hook_state: Any  # the DDP comm hook's state, when one is registered
     step_count: int  # optimizer steps completed (skipped ones included)
@@ -378,8 +378,8 @@ class DistAMP(RunLoop):
         opt, scaler = self.optimizer, self.scaler
         self.cycle.check_step()
         norm = None
-        if self.adaptive is not None:  # gradient underflow, read while still scaled
-            self.adaptive.before_step()
+        # An adaptive run watches the scaler: gradient underflow is read before the first
+        # unscale, and the agreed report's decisions are taken at the end of update().
         with named_collective("step (overflow flag and norm agreement)", self.config.timeout):
             # 1. clip: unscale + overflow check + norm in one pass and the step's one
             #    collective; the clip factor is applied once (inside a fused optimizer's step)
@@ -400,8 +400,6 @@ class DistAMP(RunLoop):
         if self.quorum is not None:  # torchft: the next forward asks for the next quorum
             self.quorum.end()
         self.metrics.end_step(norm, scaler)
-        if self.adaptive is not None:  # agreed report -> the same precision changes everywhere
-            self.adaptive.after_step(scaler.last_step_skipped)
         self.cycle.reset()
         self.step_count += 1
         return result

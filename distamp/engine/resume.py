@@ -80,7 +80,7 @@ def plan_resume(
         trainer: the trainer state read from ``file``.
         precision: this run's precision.
         scaler, scheduler: this engine's (``scheduler`` may be ``None``).
-        adaptive: this engine's :class:`~distamp.engine.adaptive_run.AdaptiveRun` or ``None``.
+        adaptive: this engine's :class:`~distamp.precision.adaptive_run.AdaptiveRun` or ``None``.
 
     Raises:
         ValueError: a field is missing, of the wrong type or out of range, or does not fit this

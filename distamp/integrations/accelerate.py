@@ -11,13 +11,18 @@ through an Accelerate *public* method that it overrides and then calls:
 - ``__init__``: after Accelerate's own set-up, the fp16 scaler is a
   :class:`~distamp.DistributedGradScaler` (honouring ``GradScalerKwargs``), on CPU too, and
   fp16 autocast is switched on for CPU;
-- ``prepare_model``: applies the optional policy (fp32 modules and ops) under Accelerate's autocast;
+- ``prepare_model``: applies the optional policy (fp32 modules and ops) under Accelerate's
+  autocast, and runs its adaptive rules and backward scales (:class:`~distamp.precision.
+  adaptive_run.AdaptiveRun`, the engine's own: it watches the scaler, so Accelerate's
+  ``optimizer.step`` drives it); each change is logged (Accelerate's logger and
+  ``accelerator.log``'s trackers);
 - ``prepare_optimizer``: the returned optimizer reports ``step_was_skipped`` from the scaler's
   rank-agreed on-device flag, and feeds :class:`~distamp.observe.metrics.AMPMetrics`;
 - ``clip_grad_norm_``: one scaler call (unscale + overflow check + norm + clip, one collective,
   correct for fused optimizers) instead of unscale, then a norm of its own;
-- ``load_state``: reloads the scaler from the checkpoint folder after Accelerate's load, so it
-  round-trips under FSDP2 as well.
+- ``save_state`` / ``load_state``: the adaptive run's state in the checkpoint folder
+  (``distamp_adaptive.pt``, replayed on load); the scaler reloaded after Accelerate's load, so
+  it round-trips under FSDP2 as well; both checked before anything is loaded.
 
 The attributes it relies on (``Accelerator.scaler``, ``native_amp``, ``scaler_handler``,
 ``AcceleratedOptimizer.scaler``/``gradient_state``) were checked on the releases in
@@ -42,17 +47,20 @@ SUPPORTED = WINDOWS["accelerate"]
 ACCELERATE_VERSION = check_version("accelerate")
 
 from accelerate import Accelerator  # noqa: E402  (only after the version check)
+from accelerate.logging import get_logger  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
 from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
-from distamp.precision.adaptive import refuse_outside_engine  # noqa: E402
+from distamp.precision.adaptive_run import AdaptiveRun, change_metrics  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
 __all__ = ["ACCELERATE_VERSION", "SUPPORTED", "DistAMPAccelerator", "DistAMPOptimizer"]
 
 SCALER_FILE = "scaler.pt"  # the name Accelerate's save_state gives the scaler's state
+ADAPTIVE_FILE = "distamp_adaptive.pt"  # the adaptive run's state, beside Accelerate's files
+_logger = get_logger("distamp.precision")
 
 
 class DistAMPOptimizer(AcceleratedOptimizer):
@@ -109,7 +117,9 @@ class DistAMPAccelerator(Accelerator):
             Accelerate's own scaler (MS-AMP's optimizer owns the scaling; not rank-agreed).
         policy: an :class:`~distamp.AutocastPolicy` (or any object with ``apply(model)`` and
             ``autocast(device_type)``): applied to each prepared model, and its autocast context
-            wraps the model's forward inside Accelerate's.
+            wraps the model's forward inside Accelerate's. Its adaptive rules and backward
+            scales (fp16 or bf16, the accelerator's ``mixed_precision``) run on the first
+            prepared model, as in :class:`~distamp.DistAMP`; read them in :attr:`adaptive`.
         trust_ddp_sync: let the scaler skip its found_inf collective when DDP's all-reduce
             already spread any inf to every rank (see ``DistributedGradScaler.register_module``).
             Off by default: an inf written into a gradient after the all-reduce (a gradient hook,
@@ -118,8 +128,12 @@ class DistAMPAccelerator(Accelerator):
 
     Raises:
         ValueError: ``scaler`` given without mixed precision, or with DeepSpeed, Megatron-LM or
-            MS-AMP, which own loss scaling themselves.
+            MS-AMP, which own loss scaling themselves; an adaptive policy whose precision is
+            not the accelerator's, or with no distamp scaler to drive it.
     """
+
+    adaptive: AdaptiveRun | None = None
+    """The policy's adaptive rules and backward scales at work (``None`` without them)."""
 
     def __init__(
         self,
@@ -129,13 +143,13 @@ class DistAMPAccelerator(Accelerator):
         trust_ddp_sync: bool = False,
         **kwargs: Any,
     ) -> None:
-        refuse_outside_engine(policy, type(self).__name__)
         super().__init__(*args, **kwargs)
         self.policy = policy
         self.trust_ddp_sync = bool(trust_ddp_sync)
         self.amp_metrics = AMPMetrics(self.device)
         self._last_grad_norm: torch.Tensor | None = None
         self._pending_scaler: dict[str, Any] | None = None  # checked before a load, applied after
+        self._pending_adaptive: dict[str, Any] | None = None  # likewise
         mode = self.state.mixed_precision
         fp16 = mode == "fp16"
         own_scaling = self.distributed_type in (
@@ -180,6 +194,11 @@ class DistAMPAccelerator(Accelerator):
         """
         if self.policy is not None and not getattr(model, "_is_accelerate_prepared", False):
             self.policy.apply(model)
+            if self.adaptive is None and not evaluation_mode:
+                self.adaptive = AdaptiveRun.for_plugin(
+                    model, policy=self.policy, scaler=self.scaler, owner=type(self).__name__,
+                    precision=str(self.state.mixed_precision),
+                )  # fmt: skip
             inner, policy, device_type = model.forward, self.policy, self.device.type
 
             @functools.wraps(inner)
@@ -253,6 +272,12 @@ class DistAMPAccelerator(Accelerator):
     def _after_step(self, scaler: Any) -> None:
         self.amp_metrics.step(scaler, self._last_grad_norm)
         self._last_grad_norm = None
+        if self.adaptive is not None:  # decided inside scaler.update(), the same on every rank
+            changes = self.adaptive.take_changes()
+            for change in changes:
+                _logger.info("%s", change, main_process_only=True)
+            if changes:
+                self.log(change_metrics(changes), step=changes[-1].step)
 
     # ------------------------------------------------------------------ metrics
     def amp_metrics_dict(self) -> dict[str, float | int | None]:
@@ -267,6 +292,7 @@ class DistAMPAccelerator(Accelerator):
         """Before Accelerate loads anything: read and check the scaler's file, so that a bad
         one is refused while the model and optimizer are still as they were."""
         self._pending_scaler = None
+        self._pending_adaptive = self._read_adaptive(input_dir)
         scaler = self.scaler
         path = os.path.join(input_dir, SCALER_FILE)
         ours = isinstance(scaler, DistributedGradScaler) and scaler.is_enabled()
@@ -286,8 +312,56 @@ class DistAMPAccelerator(Accelerator):
         Accelerate loads the scaler on one of two paths depending on FSDP2; loading the checked
         state once more afterwards makes the round-trip independent of that branch.
         """
-        self._pending_scaler = None
+        self._pending_scaler = self._pending_adaptive = None
         out = super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         if self._pending_scaler is not None:
             self.scaler.load_state_dict(self._pending_scaler)
+        if self.adaptive is not None and self._pending_adaptive is not None:
+            self.adaptive.load_state_dict(self._pending_adaptive)  # promotions replayed
         return out
+
+    def save_state(
+        self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any
+    ) -> str:
+        """Accelerate's ``save_state``, plus the adaptive run's state (``distamp_adaptive.pt``,
+        written by the main process: it is the same on every rank)."""
+        location: str = super().save_state(
+            output_dir, safe_serialization=safe_serialization, **kwargs
+        )
+        self.save_adaptive(location)
+        return location
+
+    def save_adaptive(self, folder: str) -> None:
+        """Write the adaptive run's state to ``folder/distamp_adaptive.pt`` (by the main
+        process: it is the same on every rank); nothing without a run. Collective (a barrier):
+        call it on every rank. :meth:`save_state` calls it; so does ``DistAMPTrainer``."""
+        if self.adaptive is not None:
+            if self.is_main_process and os.path.isdir(folder):
+                torch.save(self.adaptive.state_dict(), os.path.join(folder, ADAPTIVE_FILE))
+            self.wait_for_everyone()
+
+    def load_adaptive(self, folder: str) -> bool:
+        """Check, then replay the adaptive run's state saved in ``folder`` (see
+        :meth:`save_adaptive`); whether there was one to load.
+
+        Raises:
+            ValueError: the file is unreadable or does not fit this run (nothing changed).
+        """
+        state = self._read_adaptive(folder)
+        if self.adaptive is None or state is None:
+            return False
+        self.adaptive.load_state_dict(state)
+        return True
+
+    def _read_adaptive(self, input_dir: str) -> dict[str, Any] | None:
+        """The checkpoint's adaptive state, checked against this run (``None`` when either has
+        none: a run that starts adapting from a plain checkpoint starts with no changes)."""
+        path = os.path.join(input_dir, ADAPTIVE_FILE)
+        if self.adaptive is None or not os.path.exists(path):
+            return None
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            self.adaptive.check_state_dict(state)
+        except Exception as exc:  # unreadable, or modules/values this run refuses
+            raise ValueError(f"checkpoint file {path}: {exc}; nothing was loaded") from None
+        return state  # type: ignore[no-any-return]

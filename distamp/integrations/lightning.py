@@ -38,11 +38,17 @@ LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked 
 
 from lightning.fabric.plugins.environments import ClusterEnvironment  # noqa: E402
 from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
+from lightning.fabric.utilities import rank_zero_info  # noqa: E402
 
 from distamp.cluster import DistEnv, detect_environment  # noqa: E402
 from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
-from distamp.precision.adaptive import refuse_outside_engine  # noqa: E402
+from distamp.precision.adaptive_run import (  # noqa: E402
+    AdaptiveRun,
+    change_metrics,
+    load_plugin_state,
+    plugin_state,
+)
 from distamp.precision.policy import parse_precision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
@@ -86,10 +92,15 @@ class DistAMPPrecision(MixedPrecision):
             ``torch.float16``...).
         device: the device type for autocast; ``None``: ``"cuda"`` if available, else ``"cpu"``.
         scaler: the fp16 scaler; ``None`` creates a :class:`~distamp.DistributedGradScaler`.
-            Must be ``None`` for bf16 (no loss scaling needed).
+            Must be ``None`` for bf16 (no loss scaling needed; with a policy's adaptive rules a
+            check-only one is made to drive them).
         policy: an :class:`~distamp.AutocastPolicy` (or any object with ``apply(model)`` and
             ``autocast(device_type)``): applied in ``convert_module`` and used as the forward
-            context instead of bare autocast.
+            context instead of bare autocast. Its adaptive rules and backward scales run on the
+            first model set up, exactly as in :class:`~distamp.DistAMP` (:attr:`adaptive`);
+            their changes appear in :meth:`metrics_dict` (for ``fabric.log_dict``) and in
+            Lightning's console log, and :meth:`state_dict` carries them into checkpoints
+            (``fabric.save(path, {..., "amp": plugin})``).
         trust_ddp_sync: as in :class:`~distamp.DistAMP`: ``True`` lets the scaler skip its flag
             collective under DDP (the DDP module is registered at the first backward); off by
             default, so a gradient changed on one rank after the all-reduce is still agreed on.
@@ -97,6 +108,9 @@ class DistAMPPrecision(MixedPrecision):
     Raises:
         ValueError: a precision other than fp16/bf16 (fp8 included), or a scaler with bf16.
     """
+
+    adaptive: AdaptiveRun | None = None
+    """The policy's adaptive rules and backward scales at work (``None`` without them)."""
 
     def __init__(
         self,
@@ -107,7 +121,6 @@ class DistAMPPrecision(MixedPrecision):
         *,
         trust_ddp_sync: bool = False,
     ) -> None:
-        refuse_outside_engine(policy, "DistAMPPrecision")
         parsed = parse_precision(precision)
         if parsed.compute_dtype is None:
             raise ValueError(
@@ -126,6 +139,8 @@ class DistAMPPrecision(MixedPrecision):
             "16-mixed" if parsed.needs_scaler else "bf16-mixed"
         )
         super().__init__(name, device, scaler)  # raises for a scaler with bf16
+        if scaler is None and getattr(policy, "adaptive", None) is not None:
+            self.scaler = DistributedGradScaler(device=device, check_only=True)  # drives them
         self.policy = policy
         self.trust_ddp_sync = bool(trust_ddp_sync)
         self._trusted: set[int] = set()  # DDP modules registered with trust_ddp_sync=True
@@ -135,9 +150,15 @@ class DistAMPPrecision(MixedPrecision):
 
     # ------------------------------------------------------------------ forward
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Apply the policy's fp32 modules (before the strategy wraps the model)."""
+        """Apply the policy's fp32 modules and start its adaptive rules (before the strategy
+        wraps the model)."""
         if self.policy is not None:
             self.policy.apply(module)
+            if self.adaptive is None:
+                self.adaptive = AdaptiveRun.for_plugin(
+                    module, policy=self.policy, precision=self.precision, scaler=self.scaler,
+                    owner=type(self).__name__,
+                )  # fmt: skip
         if isinstance(self.scaler, DistributedGradScaler):
             self.scaler.register_module(module)  # parameter names for overflow reports
         agree_plugin_settings(  # one collective per setup(): ranks built differently fail here
@@ -201,6 +222,9 @@ class DistAMPPrecision(MixedPrecision):
             self._skipped = scaler.last_step_skipped
         self.metrics.step(scaler, self._last_norm)
         self._last_norm = None
+        if self.adaptive is not None:  # decided inside scaler.update(), the same on every rank
+            for change in self.adaptive.take_changes("console"):
+                rank_zero_info(f"distamp: {change}")
         return out
 
     @property
@@ -214,8 +238,22 @@ class DistAMPPrecision(MixedPrecision):
     def metrics_dict(self) -> dict[str, float | int | None]:
         """Loss scale, skipped steps, overflow rate, unscaled grad norm and tokens/s of the
         window since the last call. Collective: call on every rank at the same step; count
-        tokens with ``plugin.metrics.add_tokens``."""
-        return self.metrics.compute(self.scaler)
+        tokens with ``plugin.metrics.add_tokens``. With adaptive rules, the changes made in
+        the window too (see :func:`~distamp.precision.adaptive_run.change_metrics`)."""
+        out: dict[str, float | int | None] = dict(self.metrics.compute(self.scaler))
+        if self.adaptive is not None:
+            out.update(change_metrics(self.adaptive.take_changes("metrics")))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state and the adaptive run's (Fabric saves it when the plugin is in
+        the state passed to ``fabric.save``)."""
+        return plugin_state(self.scaler, self.adaptive)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the scaler and replay the adaptive run's changes, both checked first (a
+        refused state changes nothing)."""
+        load_plugin_state(state_dict, self.scaler, self.adaptive)
 
 
 class DistAMPEnvironment(ClusterEnvironment):

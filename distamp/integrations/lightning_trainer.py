@@ -16,7 +16,10 @@ Where Lightning's own ``16-mixed`` falls short in distributed fp16, these plugin
   raises) and under FSDP (Lightning's ``FSDPPrecision`` refuses norm clipping);
 - save and restore the scaler (scale, growth and hysteresis trackers, skip counter) in Trainer
   checkpoints;
-- take an :class:`~distamp.AutocastPolicy` for the modules and ops that stay in fp32.
+- take an :class:`~distamp.AutocastPolicy` for the modules and ops that stay in fp32, and run
+  its adaptive rules and backward scales exactly as :class:`~distamp.DistAMP` does (the same
+  :class:`~distamp.precision.adaptive_run.AdaptiveRun`, driven by the scaler's step), each change
+  logged to the Trainer's loggers and kept in its checkpoints.
 
 Lightning refuses ``Trainer(precision="16-mixed", strategy=ModelParallelStrategy(...))`` by
 checking the *string* flag only (``_AcceleratorConnector._validate_precision_choice`` in
@@ -46,13 +49,18 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.pytorch.plugins.precision.precision import Precision  # noqa: E402
-from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 
 from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
 from distamp.integrations.lightning_scheduler import SkipAwareScheduler  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
-from distamp.precision.adaptive import refuse_outside_engine  # noqa: E402
+from distamp.precision.adaptive_run import (  # noqa: E402
+    AdaptiveRun,
+    change_metrics,
+    load_plugin_state,
+    plugin_state,
+)
 from distamp.precision.policy import AutocastPolicy, parse_precision  # noqa: E402
 from distamp.precision.policy import Precision as ParsedPrecision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
@@ -80,6 +88,8 @@ class TrainerPrecisionBase(Precision):
     scaler: Any  # Lightning's attribute; `_scaler` is the same object, typed
     device: str
     trust_ddp_sync: bool = False  # see DistAMPTrainerPrecision
+    adaptive: AdaptiveRun | None = None
+    """The policy's adaptive rules and backward scales at work (``None`` without them)."""
 
     def _init_distamp(
         self,
@@ -113,9 +123,18 @@ class TrainerPrecisionBase(Precision):
 
     # ------------------------------------------------------------------ setup
     def convert_module(self, module: Module) -> Module:
-        """Apply the policy's fp32 modules before the strategy wraps the model."""
+        """Apply the policy's fp32 modules before the strategy wraps the model, and start its
+        adaptive rules on it (once per model: a second ``fit`` of the same one keeps them)."""
         if self.policy is not None:
             self.policy.apply(module)
+            if self.adaptive is not None and self.adaptive.model is not module:
+                self.adaptive.close()
+                self.adaptive = None
+            if self.adaptive is None:
+                self.adaptive = AdaptiveRun.for_plugin(
+                    module, policy=self.policy, precision=self._parsed, scaler=self._scaler,
+                    owner=type(self).__name__,
+                )  # fmt: skip
         return super().convert_module(module)
 
     def connect(
@@ -186,10 +205,15 @@ class TrainerPrecisionBase(Precision):
         # Lightning's own precision plugins call it at this point (checked on Lightning 2.6).
         self._after_closure(model, optimizer)
         out = scaler.step(optimizer, **kwargs)
-        scaler.update()
+        scaler.update()  # an adaptive run decides here, the same on every rank
         self._unscaled.clear()
         self._record_skip(optimizer, scaler.last_step_skipped)
         self.metrics.step(scaler, self._take_norm())
+        changes = self.adaptive.take_changes() if self.adaptive is not None else []
+        for change in changes:
+            rank_zero_info(f"distamp: {change}")
+        for logger in model.trainer.loggers if changes else ():
+            logger.log_metrics(change_metrics(changes), step=model.trainer.global_step)
         return out
 
     def _unscale_once(self, optimizer: Optimizer) -> None:
@@ -283,15 +307,15 @@ class TrainerPrecisionBase(Precision):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state (scale, trackers, skip counter), saved in Trainer checkpoints
-        under this class's name; empty for bf16."""
-        return {} if self._scaler is None else self._scaler.state_dict()
+        """The scaler's state (scale, trackers, skip counter) and the adaptive run's, saved in
+        Trainer checkpoints under this class's name; empty for bf16 without a policy's rules."""
+        return plugin_state(self._scaler, self.adaptive)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the scaler (the Trainer calls it when resuming). Malformed input raises
-        ``ValueError`` naming the key."""
-        if self._scaler is not None:
-            self._scaler.load_state_dict(state_dict)
+        """Restore the scaler and replay the adaptive run's changes (the Trainer calls it when
+        resuming), both checked first: malformed input raises ``ValueError`` naming the key,
+        and changes nothing."""
+        load_plugin_state(state_dict, self._scaler, self.adaptive)
 
 
 class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
@@ -346,7 +370,9 @@ class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
             type(self).__name__, precision, device, scaler, policy, unscale, gate_schedulers
         )
         self.trust_ddp_sync = bool(trust_ddp_sync)
-        MixedPrecision.__init__(self, lightning_precision_name(parsed), device, scaler)
+        # bf16 with adaptive rules gets a check-only scaler, which Lightning refuses for bf16
+        lightning_scaler = scaler if parsed.needs_scaler else None
+        MixedPrecision.__init__(self, lightning_precision_name(parsed), device, lightning_scaler)
         self._init_distamp(parsed, device, scaler, policy, unscale, gate_schedulers)
 
     @contextmanager
@@ -376,7 +402,6 @@ def check_plugin_args(
             precision, or a bad ``unscale``/``gate_schedulers``.
         TypeError: a scaler that is not a :class:`~distamp.DistributedGradScaler`.
     """
-    refuse_outside_engine(policy, owner)
     parsed = parse_precision(precision)
     if parsed.compute_dtype is None:
         raise ValueError(
@@ -397,6 +422,8 @@ def check_plugin_args(
         )
     if scaler is None and parsed.needs_scaler:
         scaler = DistributedGradScaler(device=device)
+    elif scaler is None and getattr(policy, "adaptive", None) is not None:
+        scaler = DistributedGradScaler(device=device, check_only=True)  # drives the rules
     policy_precision = getattr(policy, "precision", None)
     if isinstance(policy_precision, ParsedPrecision) and policy_precision != parsed:
         raise ValueError(

@@ -24,7 +24,11 @@ Trainer computed. Everything else follows from the Trainer's own code paths:
   step on a skipped step; training logs gain ``loss_scale`` and ``skipped_steps``, and
   :meth:`overflow_report` says where the last overflow was;
 - the scaler is the accelerator's ``scaler``, which the Trainer saves in each checkpoint
-  (``scaler.pt``) and restores on resume.
+  (``scaler.pt``) and restores on resume;
+- a policy's adaptive rules and backward scales run as in :class:`~distamp.DistAMP` (the
+  accelerator's :class:`~distamp.precision.adaptive_run.AdaptiveRun`): each change appears in
+  the training logs (``distamp/precision_bits/<module>``, ``distamp/grad_exponent/<block>``),
+  is saved in each checkpoint folder (``distamp_adaptive.pt``) and replayed on resume.
 
 What cannot be caught: gradients edited in a callback's ``on_pre_optimizer_step``. The Trainer
 calls it after clipping (or after computing the norm, which it does even without clipping), and
@@ -34,13 +38,15 @@ others. Edit gradients in ``training_step`` (after ``super().training_step``) in
 Seams used, checked on the releases in :data:`SUPPORTED` (older ones are refused at import,
 newer ones warn):
 ``Trainer._build_accelerator_args`` (the accelerator's arguments), the ``accelerator`` and
-``gather_function`` attributes set by ``create_accelerator_and_postprocess``, and ``log``.
+``gather_function`` attributes set by ``create_accelerator_and_postprocess``, ``log``, ``train``
+and the callbacks' ``on_save`` / ``on_train_begin``.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 from typing import Any, TypeVar
 
 from distamp.versions import WINDOWS, check_version
@@ -50,10 +56,12 @@ SUPPORTED = WINDOWS["transformers"]
 
 TRANSFORMERS_VERSION = check_version("transformers")
 
-from transformers import Trainer  # noqa: E402  (only after the version check)
+from transformers import Trainer, TrainerCallback  # noqa: E402  (only after the version check)
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint  # noqa: E402
 
 from distamp.integrations.accelerate import DistAMPAccelerator  # noqa: E402
 from distamp.observe.diagnostics import OverflowReport  # noqa: E402
+from distamp.precision.adaptive_run import change_metrics  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
 __all__ = ["SUPPORTED", "TRANSFORMERS_VERSION", "DistAMPTrainer", "with_distamp"]
@@ -70,7 +78,8 @@ class DistAMPTrainerMixin:
     Args:
         scaler: the :class:`~distamp.DistributedGradScaler` to use; ``None``: one for fp16, a
             check-only one for bf16.
-        policy: an :class:`~distamp.AutocastPolicy` (fp32 modules and ops inside autocast).
+        policy: an :class:`~distamp.AutocastPolicy` (fp32 modules and ops inside autocast;
+            its adaptive rules and backward scales run as in :class:`~distamp.DistAMP`).
         trust_ddp_sync: skip the skip-flag collective when DDP's all-reduce spans the job. Off by
             default: then one small collective a step also covers gradients changed on one rank
             after the all-reduce (in ``training_step``, say).
@@ -97,7 +106,9 @@ class DistAMPTrainerMixin:
         # Set before Trainer.__init__, which builds the accelerator.
         self._distamp_options = dict(scaler=scaler, policy=policy, trust_ddp_sync=trust_ddp_sync)
         self._distamp_accelerator_args: dict[str, Any] | None = None
+        self._distamp_resume: str | None = None
         super().__init__(*args, **kwargs)
+        self.add_callback(_AdaptiveCheckpoints(self))  # type: ignore[attr-defined]
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         """The Trainer's accelerator arguments, kept to build distamp's accelerator with."""
@@ -122,6 +133,11 @@ class DistAMPTrainerMixin:
 
     # ------------------------------------------------------------------ reporting
     @property
+    def resume_checkpoint(self) -> str | None:
+        """The checkpoint folder the running ``train()`` resumed from, or ``None``."""
+        return self._distamp_resume
+
+    @property
     def scaler(self) -> DistributedGradScaler | None:
         """The accelerator's scaler (``None`` for fp32 or DeepSpeed)."""
         scaler = self.accelerator.scaler
@@ -135,11 +151,42 @@ class DistAMPTrainerMixin:
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's ``log``; training logs (those with ``loss``) gain ``loss_scale`` and
-        ``skipped_steps``. Two host syncs per log, none per step."""
+        ``skipped_steps``, and the adaptive changes made since the previous log. Two host syncs
+        per log, none per step."""
         scaler = self.scaler
         if scaler is not None and "loss" in logs:
             logs = {**logs, "loss_scale": scaler.get_scale(), "skipped_steps": scaler.skipped_steps}
+        adaptive = self.accelerator.adaptive
+        if adaptive is not None and "loss" in logs:
+            logs.update(change_metrics(adaptive.take_changes("trainer")))
         super().log(logs, *args, **kwargs)  # type: ignore[misc]
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kw: Any) -> Any:
+        """The Trainer's ``train``; the checkpoint resumed from is kept, so that the adaptive
+        run's state saved in it is replayed once the model is prepared."""
+        path = resume_from_checkpoint
+        if path is True:
+            path = get_last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
+        self._distamp_resume = path if isinstance(path, str) else None
+        return super().train(resume_from_checkpoint, *args, **kw)  # type: ignore[misc]
+
+
+class _AdaptiveCheckpoints(TrainerCallback):  # type: ignore[misc]
+    """Saves the adaptive run's state in each checkpoint folder and replays it on resume (the
+    Trainer calls ``on_train_begin`` after preparing the model and loading the checkpoint's
+    optimizer, scheduler and scaler)."""
+
+    def __init__(self, trainer: DistAMPTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        folder = self.trainer.resume_checkpoint
+        if folder is not None:
+            self.trainer.accelerator.load_adaptive(folder)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        self.trainer.accelerator.save_adaptive(folder)  # on every rank: it ends in a barrier
 
 
 def with_distamp(trainer_class: T) -> T:

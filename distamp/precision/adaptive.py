@@ -35,19 +35,16 @@ from __future__ import annotations
 import math
 import warnings
 from collections import deque
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from distamp.arguments import INT32_MAX, ArgumentTypeError
 from distamp.observe.numerics import NumericStats
-from distamp.precision.casts import to_fp32
 from distamp.precision.fp8_parallel import gathers_in_float8, is_float8_linear
 from distamp.precision.patterns import check_module_patterns
+from distamp.precision.promotion import Bf16Linear, Island
 from distamp.precision.settings import Fields
 from distamp.precision.state_checks import check_adaptive_state
 
@@ -136,88 +133,6 @@ class PrecisionChange:
         return f"step {self.step}: {self.module} {self.before} -> {self.after} ({self.reason})"
 
 
-# Read once, outside any compiled frame: torch 2.11's dynamo cannot trace the availability check
-# (a builtin), and breaks the promoted forward's graph on it.
-_AUTOCAST_KINDS = tuple(k for k in ("cpu", "cuda") if torch.amp.is_autocast_available(k))
-
-
-def _autocast_on() -> list[str]:
-    """The device types whose autocast is on here (a plain list: no generator to trace)."""
-    return [kind for kind in _AUTOCAST_KINDS if torch.is_autocast_enabled(kind)]
-
-
-class _Upcast(TorchFunctionMode):
-    """Inside a promoted module: every op's low-precision floating arguments cast to fp32.
-
-    Casting the module's inputs is not enough where its parameters themselves arrive in the
-    compute dtype (FSDP2 gathers them so): ``F.linear(fp32, fp16)`` refuses mixed dtypes once
-    autocast is off. The cast is differentiable, so gradients still reach the parameters."""
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        return func(*to_fp32(args), **to_fp32(kwargs or {}))
-
-
-class _Island:
-    """The promotion of one module: an instance ``forward`` that runs the class's with autocast
-    off and every low-precision operand cast to fp32. A ``with`` block inside one call (not a
-    pre/post hook pair holding a context open between them) is what ``torch.compile`` can trace;
-    the module's own hooks (FSDP2's unshard among them) still run around it. :meth:`remove`
-    hands the class's forward back."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        inner = type(module).forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            kinds = _autocast_on()
-            if not kinds:
-                return inner(module, *args, **kwargs)
-            args, kwargs = to_fp32(args), to_fp32(kwargs)
-            # Plain nested ``with`` blocks (no ExitStack): what torch.compile traces whole.
-            if len(kinds) == 2:
-                with (
-                    torch.autocast("cpu", enabled=False),
-                    torch.autocast("cuda", enabled=False),
-                    _Upcast(),
-                ):
-                    return inner(module, *args, **kwargs)
-            with torch.autocast(kinds[0], enabled=False), _Upcast():
-                return inner(module, *args, **kwargs)
-
-        setattr(module, "forward", forward)  # noqa: B010 (an instance attribute, on purpose)
-
-    def remove(self) -> None:
-        self.module.__dict__.pop("forward", None)
-
-
-class _Bf16Linear:
-    """The fp8 -> bf16 promotion of one torchao float8 layer: an instance ``forward`` that runs
-    ``F.linear`` in bf16 on the layer's own (fp32) weight and bias, so the same parameters, hooks
-    and optimizer state carry on; :meth:`remove` hands the class's float8 forward back."""
-
-    def __init__(self, module: nn.Linear) -> None:
-        self.module = module
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            bias = module.bias
-            return torch.nn.functional.linear(
-                x.to(torch.bfloat16),
-                module.weight.to(torch.bfloat16),
-                None if bias is None else bias.to(torch.bfloat16),
-            )
-
-        setattr(module, "forward", forward)  # noqa: B010 (an instance attribute, on purpose)
-
-    def remove(self) -> None:
-        self.module.__dict__.pop("forward", None)
-
-
 class AdaptivePrecision:
     """The adaptive half of an :class:`~distamp.AutocastPolicy`: rules, decisions and the log.
 
@@ -245,7 +160,7 @@ class AdaptivePrecision:
         self._calm: dict[str, int] = {}  # promoted module -> calm reports in a row
         self._pinned: set[str] = set()  # promoted twice: never demoted again
         self._refused: set[str] = set()  # over the cap: warned once
-        self._handles: dict[str, list[_Island | _Bf16Linear]] = {}
+        self._handles: dict[str, list[Island | Bf16Linear]] = {}
         self._modules: dict[str, nn.Module] = {}
         self._numel: dict[str, int] = {}
         self._total = 1
@@ -302,6 +217,7 @@ class AdaptivePrecision:
         made: list[PrecisionChange] = []
         blamed_now = set()
         stalled = self._stalled(stats)
+        over_cap: dict[str, str] = {}  # stalled: modules the cap holds back, decided below
         for step, module in stats.skips:
             del step
             self._history.append(module)
@@ -311,10 +227,17 @@ class AdaptivePrecision:
             count = sum(1 for m in self._history if m == module)
             if count >= self.rules.skips:
                 reason = f"caused {count} of the last {len(self._history)} skipped steps"
-                if self._promote(stats.step, module, reason, made, stalled=stalled):
-                    self._history = deque(
-                        (m for m in self._history if m != module), maxlen=self.rules.window
-                    )
+                if stalled and self._over_cap(module):
+                    over_cap[module] = reason
+                elif self._promote(stats.step, module, reason, made):
+                    self._forget(module)
+        # The cap yields only where nothing else was promoted for the skips: then the module
+        # blamed for the most of them (the first such) goes up, the others stay held back.
+        ranked = sorted(over_cap, key=lambda m: -sum(1 for h in self._history if h == m))
+        for k, module in enumerate(ranked):
+            yields = k == 0 and not made
+            if self._promote(stats.step, module, over_cap[module], made, stalled=yields):
+                self._forget(module)
         for module, flush in stats.fp8_flush.items():
             if module not in self._fp8 or module in self._handles:
                 continue
@@ -365,6 +288,17 @@ class AdaptivePrecision:
         steps = [s for s, _ in stats.skips[-need:]]
         return len(steps) == need and steps == list(range(stats.step - need + 1, stats.step + 1))
 
+    def _forget(self, module: str) -> None:
+        """Drop a promoted module's skips from the window (they are dealt with)."""
+        self._history = deque((m for m in self._history if m != module), maxlen=self.rules.window)
+
+    def _over_cap(self, module: str) -> bool:
+        """Whether promoting ``module`` would put more than the cap in the wider format."""
+        if module in self._fixed or module not in self._modules:
+            return False
+        share = sum(self._numel[m] for m in self._handles) + self._numel.get(module, 0)
+        return share / self._total > self.rules.max_promoted_fraction
+
     def _promote(
         self,
         step: int,
@@ -414,9 +348,9 @@ class AdaptivePrecision:
         module = self._modules[change.module]
         if change.before == "fp8":
             assert isinstance(module, nn.Linear)  # a torchao Float8Linear
-            self._handles[change.module] = [_Bf16Linear(module)]
+            self._handles[change.module] = [Bf16Linear(module)]
         elif change.after == "fp32":
-            self._handles[change.module] = [_Island(module)]
+            self._handles[change.module] = [Island(module)]
             self._calm[change.module] = 0
         else:
             for h in self._handles.pop(change.module, []):

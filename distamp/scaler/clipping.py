@@ -267,6 +267,7 @@ def clip_step_grads_(
             "clip_grad_norm_() has already been called on this optimizer since the last "
             "update(): clip once per optimizer step."
         )
+    steps.start_reading()
     fused = takes_grad_scale(optimizer)
     # per-block backward scales: a fused step's one grad_scale cannot unscale them, so unscale
     deferred = enabled and record.stage is OptState.READY and norm_type == 2.0

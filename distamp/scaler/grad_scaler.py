@@ -447,10 +447,12 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
         scale, tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
             self._set_scale(check_new_scale(new_scale, self._min_scale, self._max_scale))
+            self._steps.end_iteration(self.last_step_skipped)
             return
         self._steps.reduce_pending()
         if self._replicas is not None and not self._replicas.end_iteration():
             self._set_scale(scale)  # torchft hook: uncommitted, scale and counters kept
+            self._steps.end_iteration(self.last_step_skipped)
             return
         found_inf = self._steps.agreed_found_inf(scale.device)
         if found_inf is None:
@@ -473,6 +475,7 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
         if self._tracer is not None:
             self._tracer.commit(found_inf > 0)
         self._steps.new_iteration()
+        self._steps.end_iteration(self.last_step_skipped)
         if self._min_scale is not None and not self._sync_free:
             self._counters.raise_if_underflow(self._min_scale)  # one host sync, opt-in
 

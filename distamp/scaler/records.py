@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ __all__ = [
     "ScalerStateError",
     "StepAgreement",
     "StepRecords",
+    "StepWatcher",
     "agree_pending",
     "reciprocal",
 ]
@@ -97,6 +98,19 @@ class OptimizerStep:
             raise KeyError(key)
 
 
+class StepWatcher(Protocol):
+    """Told where a step begins and ends, whoever drives the scaler (the engine, a framework
+    plug-in or a hand-written loop): :class:`distamp.precision.adaptive_run.AdaptiveRun`
+    reads gradient underflow before unscaling and runs its rules on the agreed report after
+    ``update()``, so every way of training applies them at the same points."""
+
+    def before_unscale(self) -> None:
+        """Before the iteration's first gradient is read or unscaled (once an iteration)."""
+
+    def after_update(self, skipped: torch.Tensor) -> None:
+        """After ``update()`` ended the iteration; ``skipped``: its agreed 0-dim bool flag."""
+
+
 class StepRecords(dict):  # type: ignore[type-arg]
     """``id(optimizer) -> OptimizerStep``, creating records on first access (as torch's
     defaultdict) that call their owner's :meth:`StepAgreement.reduce_pending` for the lazy
@@ -106,6 +120,7 @@ class StepRecords(dict):  # type: ignore[type-arg]
     def __init__(self, owner: StepAgreement) -> None:
         super().__init__()
         self._owner = weakref.ref(owner)
+        self.started = False  # the watcher heard of this iteration's first gradient read
 
     def __missing__(self, key: int) -> OptimizerStep:
         owner = self._owner()
@@ -137,10 +152,26 @@ class StepAgreement:
         self.collectives_issued = 0  # how many found_inf collectives were issued
         # Statistics riding the step's one collective (the numeric monitor), or None.
         self.rider: reduction.Rider | None = None
+        # Told where each step begins and ends (the adaptive run), or None.
+        self.watcher: StepWatcher | None = None
         # The owner's settings, compared across the agreeing ranks once, before the first
         # collective: a scaler used without the engine has no other setup step to do it in.
         self.settings: Callable[[], Mapping[str, Any]] | None = None
         self.settings_agreed = False
+
+    def start_reading(self) -> None:
+        """Before a gradient of this iteration is read or unscaled: the watcher's
+        ``before_unscale``, once an iteration."""
+        if not self.records.started:
+            self.records.started = True
+            if self.watcher is not None:
+                self.watcher.before_unscale()
+
+    def end_iteration(self, skipped: torch.Tensor) -> None:
+        """``update()`` ended the iteration (``skipped``: its agreed flag): the watcher's
+        ``after_update``."""
+        if self.watcher is not None:
+            self.watcher.after_update(skipped)
 
     def record(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
         """The optimizer's record for this iteration (created READY on first use)."""
@@ -166,6 +197,7 @@ class StepAgreement:
         """Check the optimizer's gradients for inf/NaN and, with ``inv_scale``, unscale them in
         place, in one pass per group (:func:`~distamp.scaler.grad_groups.check_groups_`); the
         local flags (``home``'s among them) wait in ``record`` for the step's collective."""
+        self.start_reading()
         plan = self.prepare(optimizer, record)
         found_inf = torch.zeros((), dtype=torch.float32, device=home)
         with torch.no_grad():

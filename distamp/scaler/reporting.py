@@ -21,7 +21,7 @@ from distamp.observe.diagnostics import (
 )
 from distamp.parallel import reduction
 from distamp.scaler.config import validate_state_dict
-from distamp.scaler.records import StepAgreement
+from distamp.scaler.records import StepAgreement, StepWatcher
 from distamp.scaler.scale_state import ScaleState
 
 __all__ = ["ScalerReporting"]
@@ -121,6 +121,19 @@ class ScalerReporting(torch.amp.GradScaler):
         in each step's one flag collective, over the agreement group even where a registered DDP
         module would have made that collective unnecessary. ``None`` detaches."""
         self._steps.rider = rider
+
+    def attach_watcher(self, watcher: StepWatcher | None) -> None:
+        """Have ``watcher`` told where each step begins (before the first gradient is read or
+        unscaled) and ends (after ``update()``), whoever drives this scaler: the adaptive run
+        (:class:`~distamp.precision.adaptive_run.AdaptiveRun`) uses it so that the engine and
+        every framework plug-in apply the same rules at the same points. One watcher at a time:
+        attaching a second while one is attached raises ``RuntimeError``; ``None`` detaches."""
+        if watcher is not None and self._steps.watcher not in (None, watcher):
+            raise RuntimeError(
+                "this scaler already drives an adaptive run (one model's rules per scaler): "
+                "close that engine or plug-in first, or give each model its own scaler"
+            )
+        self._steps.watcher = watcher
 
     def overflow_report(self) -> OverflowReport | None:
         """Which parameters (and modules, ranks, inf or NaN) overflowed at the last skipped step.
