@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _dist import run_ranks
 from adaptive_scenarios import (
     LR,
@@ -349,3 +350,33 @@ def test_plugins_refuse_rules_they_cannot_run() -> None:
         build(AutocastPolicy("fp16", adaptive=True))  # one run per scaler
     run.close()
     build(AutocastPolicy("fp16", adaptive=True)).close()  # closed: the scaler is free again
+
+
+def _pipeline_refusal(rank: int, world: int) -> list[str]:
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage
+
+    import distamp
+    from distamp import AutocastPolicy
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    stage = PipelineStage(nn.Linear(4, 4), rank, world, torch.device("cpu"), group=mesh.get_group())
+    out = []
+    for kwargs in (
+        {"policy": AutocastPolicy("fp16", adaptive=True)},
+        {"policy": AutocastPolicy("fp16", backward_scales=True)},
+        {"numerics_interval": 10},
+    ):
+        amp = distamp.DistAMP("fp16", mesh=mesh, **kwargs)
+        with pytest.raises(ValueError, match="not available under pipeline parallelism") as e:
+            amp.setup(stage, lambda p: torch.optim.SGD(p, lr=0.1))
+        out.append(str(e.value))
+    return out
+
+
+def test_pipeline_stages_refuse_the_monitor_before_any_collective() -> None:
+    """Stages watch different modules: their statistics cannot share the job's one collective
+    (it would hang), so the engine refuses at setup, naming what to do instead."""
+    r0, r1 = run_ranks(_pipeline_refusal, 2, timeout=120)
+    assert r0 == r1 and "fp32_modules=" in r0[0]

@@ -221,3 +221,83 @@ def test_two_ranks_fall_back_together() -> None:
     assert r0["changes"] == r1["changes"] == [(2, "wide", "fp8", "bf16")]
     assert r0["flush"] == r1["flush"] and r0["flush"]["wide"] > 0.9  # type: ignore[index]
     assert r0["params"] == r1["params"]
+
+
+def _layout(rank: int, world: int, layout: str) -> dict[str, object]:
+    """Adaptive fp8 on 2 ranks, the same data on both (so the run is the one-process run):
+    "fsdp2" without float8 all-gather, or "tp" (``wide`` and ``mid`` column- and row-parallel
+    through distamp's float8 plan)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from distamp.precision.fp8 import convert_for_fp8
+    from distamp.precision.fp8_parallel import fp8_tp_plan
+
+    torch.manual_seed(0)
+    net = Net()
+    policy = AutocastPolicy("fp8", fp8_min_features=16, adaptive=RULES, fp8_all_gather=False)
+    kwargs: dict[str, Any] = {"strategy": "fsdp2"}
+    if layout == "tp":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        convert_for_fp8(net, policy)
+        plan = fp8_tp_plan(net, {"wide": ColwiseParallel(), "mid": RowwiseParallel()})
+        parallelize_module(net, mesh, plan)
+        kwargs = {"mesh": mesh}
+    amp = distamp.DistAMP("fp8", policy=policy, device="cpu", **kwargs)
+    amp.setup(
+        net,
+        lambda p: torch.optim.AdamW(p, lr=3e-3),
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / (STEPS + 1)),
+    )
+    train(amp, 0, STEPS)
+    assert policy.adaptive is not None
+    out = {
+        "changes": [(c.step, c.module, c.before, c.after) for c in policy.adaptive.changes],
+        "loss": eval_loss(amp),
+    }
+    amp.close()
+    return out
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp"])
+def test_fallback_under_fsdp2_and_tensor_parallelism(layout: str) -> None:
+    """The outlier layer falls back at the same step on both ranks and the run ends within 2% of
+    bf16 (FSDP2 gathering the high-precision weights; tensor-parallel float8 layers)."""
+    _torchao()
+    r0, r1 = run_ranks(_layout, 2, layout, timeout=300)
+    assert r0["changes"] == r1["changes"] and r0["changes"][0][1:] == ("wide", "fp8", "bf16")  # type: ignore[index]
+    loss, ref = float(r0["loss"]), bf16_loss()  # type: ignore[arg-type]
+    assert abs(loss - ref) / ref < 0.02, (loss, ref)
+
+
+def test_fallen_back_layer_returns_to_fp8_with_hysteresis() -> None:
+    """``demote=True``: the outlier goes away, the layer's flush fraction stays under
+    ``fp8_demote_below`` for ``calm_reports`` reports and it computes in fp8 again; the outlier
+    comes back, it falls back a second time and then stays in bf16 for good."""
+    _torchao()
+    torch.manual_seed(0)
+    rules = AdaptiveRules(
+        interval=2, patience=1, max_promoted_fraction=0.6, demote=True, calm_reports=3
+    )
+    policy = AutocastPolicy("fp8", fp8_min_features=16, adaptive=rules)
+    amp = distamp.DistAMP("fp8", strategy="none", policy=policy, device="cpu")
+    amp.setup(Net(), lambda p: torch.optim.AdamW(p, lr=3e-3))
+    for k in range(70):
+        x, y = batch(k, spike=k < 10 or 30 <= k < 40)
+        with amp.autocast():
+            loss = F.mse_loss(amp.model(x).float(), y)
+        amp.backward_and_step(loss)
+    assert policy.adaptive is not None
+    changes = [(c.step, c.module, c.before, c.after) for c in policy.adaptive.changes]
+    assert changes == [
+        (2, "wide", "fp8", "bf16"),
+        (16, "wide", "bf16", "fp8"),  # calm at the reports of steps 12, 14 and 16
+        (32, "wide", "fp8", "bf16"),
+    ], changes
+    assert "e4m3 flush < 0.01 for 3 reports" in policy.adaptive.changes[1].reason
+    assert policy.adaptive.state_dict()["pinned"] == ["wide"]
+    amp.close()

@@ -349,3 +349,53 @@ def test_two_ranks_agree_on_factors_and_parameters() -> None:
     assert r0["changes"] == r1["changes"] and r0["changes"]
     assert r0["skipped"] == r1["skipped"]
     assert r0["params"] == r1["params"]  # bitwise: fp32 values as Python floats
+
+
+# ---------------------------------------------------------------------------- layouts
+
+
+def _layout(rank: int, world: int, layout: str) -> dict[str, object]:
+    """Static fp16 and backward scales on 2 ranks under ``layout``: "fsdp2" (each rank its own
+    data), "tp" (blocks 1 and 2 column-parallel, both ranks the same data)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    out: dict[str, object] = {}
+    for scaled in (False, True):
+        net = deep_net()
+        kwargs: dict[str, Any] = {"strategy": "fsdp2"}
+        if layout == "tp":
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+            plan = {f"{i}.fc": ColwiseParallel(output_layouts=Replicate()) for i in (1, 2)}
+            parallelize_module(net, mesh, plan)  # type: ignore[arg-type]
+            kwargs = {"mesh": mesh}
+        policy = AutocastPolicy("fp16", backward_scales=True) if scaled else None
+        amp = distamp.DistAMP("fp16", policy=policy, numerics_interval=INTERVAL, **kwargs)
+        amp.setup(net, optimizer(net))
+        under = train(amp, 0, STEPS, rank=rank if layout == "fsdp2" else 0)
+        assert amp.adaptive is not None
+        scales = amp.adaptive.scales
+        out["scaled" if scaled else "static"] = {
+            "late_under": sum(under[-5:]) / 5,
+            "exponents": amp.adaptive.grad_exponents,
+            "changes": []
+            if scales is None
+            else [(c.step, c.block, c.after) for c in scales.changes],
+            "skipped": amp.scaler.skipped_steps,
+        }
+        amp.close()
+    return out
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp"])
+def test_backward_scales_under_fsdp2_and_tensor_parallelism(layout: str) -> None:
+    """The small block's underflow at least 10x lower than static fp16, with the same
+    exponents and changes on both ranks (sharded and tensor-parallel gradients alike)."""
+    r0, r1 = run_ranks(_layout, 2, layout, timeout=300)
+    for key in ("static", "scaled"):
+        assert r0[key] == r1[key], (key, r0[key], r1[key])  # type: ignore[index]
+    static, scaled = r0["static"], r0["scaled"]
+    assert static["late_under"] > 0.3, static  # type: ignore[index]
+    assert scaled["late_under"] * 10 <= static["late_under"], (static, scaled)  # type: ignore[index]
+    assert scaled["exponents"]["0"] > 0 and scaled["changes"], scaled  # type: ignore[index]

@@ -58,7 +58,7 @@ from distamp.parallel.strategies import (
     register_comm_hook,
     resolve_strategy,
 )
-from distamp.precision.adaptive_run import AdaptiveRun
+from distamp.precision.adaptive_run import AdaptiveRun, refuse_under_pipeline
 from distamp.precision.fp8 import Float8Training
 from distamp.precision.patterns import gather_modules, job_modules
 from distamp.precision.policy import (
@@ -244,6 +244,8 @@ class DistAMP(RunLoop):
         self.device = training_device(cfg)
         stages, model = pipeline_stages(model)
         check_model(model)
+        if stages:
+            refuse_under_pipeline(cfg.policy, cfg.numerics_interval)
         parallelised = cfg.mesh is not None or bool(stages) or is_parallelised(model)
         ft = cfg.ft_manager
         self.strategy = (

@@ -175,14 +175,22 @@ class NumericMonitor:
         self._handles = [
             mod.register_forward_hook(self._hook(i)) for i, (_, mod) in enumerate(self.modules)
         ]
+        # The input of a float8 layer as it comes, ahead of every other pre-hook: torchao's
+        # tensor-parallel styles cast it to float8 in theirs (the flushed values gone by then).
+        self._handles += [
+            self.modules[i][1].register_forward_pre_hook(self._pre_hook(slot), prepend=True)
+            for i, slot in self._fp8_slot.items()
+        ]
 
     # ------------------------------------------------------------------ forward
     def _flush_of(self, slot: int, args: Any) -> None:
         """At a reporting step: the fraction of a float8 layer's nonzero input that e4m3 flushes
         to zero under torchao's tensorwise scale ``448 / amax`` (max over micro-batches)."""
         x = next(_floats(args), None)
-        if x is None:
-            return
+        if x is not None and hasattr(x, "to_local"):
+            x = x.to_local()  # a DTensor: this rank's part (its own amax; torchao's is global)
+        if x is None or type(x).__name__.startswith("Float8"):
+            return  # already quantised upstream: what flushed cannot be told any more
         a = x.detach().abs().float()
         amax = a.amax()
         nonzero = (a > 0).sum(dtype=torch.float32)
@@ -194,12 +202,15 @@ class NumericMonitor:
             self._flush = torch.zeros(len(self._fp8), device=fraction.device)
         self._flush[slot] = torch.maximum(self._flush[slot], fraction)
 
-    def _hook(self, index: int) -> Any:
-        slot = self._fp8_slot.get(index)
-
-        def hook(_module: nn.Module, args: Any, output: Any) -> None:
-            if slot is not None and self.due:
+    def _pre_hook(self, slot: int) -> Any:
+        def pre_hook(_module: nn.Module, args: Any) -> None:
+            if self.due:
                 self._flush_of(slot, args)
+
+        return pre_hook
+
+    def _hook(self, index: int) -> Any:
+        def hook(_module: nn.Module, args: Any, output: Any) -> None:
             for t in _floats(output):
                 amax = t.detach().abs().amax().float()
                 if self._step_amax is None:

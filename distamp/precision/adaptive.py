@@ -12,10 +12,11 @@ statistics of :class:`distamp.observe.numerics.NumericMonitor`:
   when it is blamed for skips as above, or when more than ``fp8_flush_limit`` of its nonzero
   input elements flush to zero in e4m3 (the monitor's ``fp8_flush``) for ``patience`` reports in
   a row; the model's other modules run bf16 and are promoted bf16 -> fp32 as under "bf16".
-  A float8 layer promoted to bf16 is never demoted, and models whose float8 weights FSDP2
-  all-gathers in float8 are refused (their weights are float8 tensors: no bf16 linear to run);
+  Models whose float8 weights FSDP2 all-gathers in float8 are refused (their weights are
+  float8 tensors: no bf16 linear to run);
 - optionally (``demote=True``) a promoted module whose headroom stays under ``demote_below`` for
-  ``calm_reports`` reports with no skip blamed on it goes back; a module promoted a second time
+  ``calm_reports`` reports with no skip blamed on it goes back, and so does a fallen-back float8
+  layer whose flush fraction stays under ``fp8_demote_below``; a module promoted a second time
   stays promoted for good (hysteresis: it cannot oscillate);
 - promotions stop at ``max_promoted_fraction`` of the model's parameters, with a warning,
   except where the run could not go on: when every step since the previous report skipped (at
@@ -88,6 +89,10 @@ class AdaptiveRules:
             this fraction of its nonzero inputs flush to zero in e4m3, ``patience`` reports in
             a row; in ``(0, 1]`` (default 0.1; a well-scaled layer flushes about 1e-5; 1
             switches the rule off).
+        fp8_demote_below: with ``demote=True``, a float8 layer that fell back to bf16 goes
+            back to fp8 after ``calm_reports`` reports in a row with its flush fraction under
+            this and no skip blamed on it; in ``[0, fp8_flush_limit)`` (default 0.01; the gap
+            is the hysteresis, and a layer that falls back a second time stays in bf16).
     """
 
     interval: int = 10
@@ -101,6 +106,7 @@ class AdaptiveRules:
     max_promoted_fraction: float = 0.25
     watch: tuple[str, ...] | None = None
     fp8_flush_limit: float = 0.1
+    fp8_demote_below: float = 0.01
 
     def __post_init__(self) -> None:
         f = Fields(self)
@@ -114,7 +120,9 @@ class AdaptiveRules:
         why = f" (below headroom_limit={limit}, or a module could oscillate)"
         f.real("demote_below", 0.0, limit, high_open=True, why=why)
         f.real("max_promoted_fraction", 0.0, 1.0, low_open=True)
-        f.real("fp8_flush_limit", 0.0, 1.0, low_open=True)
+        flush = f.real("fp8_flush_limit", 0.0, 1.0, low_open=True)
+        why = f" (below fp8_flush_limit={flush}, or a layer could oscillate)"
+        f.real("fp8_demote_below", 0.0, flush, high_open=True, why=why)
         f.flag("demote")
         f.patterns("watch", "blocks.*.mlp", optional=True, empty=False)
 
@@ -239,7 +247,11 @@ class AdaptivePrecision:
             if self._promote(stats.step, module, over_cap[module], made, stalled=yields):
                 self._forget(module)
         for module, flush in stats.fp8_flush.items():
-            if module not in self._fp8 or module in self._handles:
+            if module not in self._fp8:
+                continue
+            if module in self._handles:  # fallen back to bf16: calm enough for fp8 again?
+                limit = self.rules.fp8_demote_below
+                self._calm_check(stats.step, module, flush, module in blamed_now, made, limit)
                 continue
             hot = flush > self.rules.fp8_flush_limit
             streak = self._hot.get(module, 0) + 1 if hot else 0
@@ -270,15 +282,27 @@ class AdaptivePrecision:
         return made
 
     def _calm_check(
-        self, step: int, module: str, headroom: float, blamed: bool, made: list[PrecisionChange]
+        self,
+        step: int,
+        module: str,
+        value: float,
+        blamed: bool,
+        made: list[PrecisionChange],
+        below: float | None = None,
     ) -> None:
-        if not self.rules.demote or module in self._pinned or module in self._fp8:
+        """Demotion: ``value`` (headroom; for a fallen-back float8 layer its flush fraction,
+        under ``below``) calm for ``calm_reports`` reports with no skip blamed on it."""
+        if not self.rules.demote or module in self._pinned:
             return
-        calm = self._calm.get(module, 0) + 1 if headroom < self.rules.demote_below else 0
+        fp8 = below is not None
+        limit = self.rules.demote_below if below is None else below
+        calm = self._calm.get(module, 0) + 1 if value < limit else 0
         self._calm[module] = 0 if blamed else calm
         if self._calm[module] >= self.rules.calm_reports:
-            reason = f"headroom < {self.rules.demote_below} for {calm} reports"
-            self._change(PrecisionChange(step, module, "fp32", self.low, reason), made)
+            what = "e4m3 flush" if fp8 else "headroom"
+            reason = f"{what} < {limit} for {calm} reports"
+            before, after = ("bf16", "fp8") if fp8 else ("fp32", self.low)
+            self._change(PrecisionChange(step, module, before, after, reason), made)
 
     def _stalled(self, stats: NumericStats) -> bool:
         """Whether no step was taken since the previous report: its last ``min(window,
@@ -351,10 +375,11 @@ class AdaptivePrecision:
             self._handles[change.module] = [Bf16Linear(module)]
         elif change.after == "fp32":
             self._handles[change.module] = [Island(module)]
-            self._calm[change.module] = 0
-        else:
+        else:  # a demotion: fp32 -> the low format, or a fallen-back layer bf16 -> fp8
             for h in self._handles.pop(change.module, []):
                 h.remove()
+        if change.module in self._handles:
+            self._calm[change.module] = 0  # promoted: calm counted from now
         self.changes.append(change)
         made.append(change)
 

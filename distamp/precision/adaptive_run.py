@@ -35,6 +35,7 @@ __all__ = [
     "change_metrics",
     "load_plugin_state",
     "plugin_state",
+    "refuse_under_pipeline",
 ]
 
 STATE_KEY = "distamp_adaptive"  # the run's entry in a plug-in's checkpoint state
@@ -358,3 +359,25 @@ def load_plugin_state(state: dict[str, Any], scaler: Any, run: AdaptiveRun | Non
         scaler.load_state_dict(state)
     if run is not None and saved is not None:
         run.load_state_dict(saved)
+
+
+def refuse_under_pipeline(policy: AutocastPolicy | None, interval: int | None) -> None:
+    """Refuse the monitor, adaptive rules and backward scales for pipeline stages, before any
+    collective: each stage watches other modules, so their statistics differ in length from
+    stage to stage and cannot ride the job's one flag collective (it would hang).
+
+    Raises:
+        ValueError: naming what was asked for and what to do instead.
+    """
+    asked = [] if interval is None else [f"numerics_interval={interval}"]
+    if policy is not None and policy.adaptive is not None:
+        asked.append("AutocastPolicy(adaptive=...)")
+    if policy is not None and policy.backward_scales is not None:
+        asked.append("AutocastPolicy(backward_scales=...)")
+    if asked:
+        raise ValueError(
+            f"{' and '.join(asked)} with pipeline stages: the numeric monitor and the rules it "
+            "drives are not available under pipeline parallelism (each stage watches other "
+            "modules, and their statistics cannot share the job's one flag collective); train "
+            "the stages with a static policy (fp32_modules=... for the modules that overflow)"
+        )

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from distamp.precision.casts import to_fp32
 
-__all__ = ["Bf16Linear", "Island", "Upcast", "autocast_on"]
+__all__ = ["Bf16Linear", "Island", "Upcast", "autocast_on", "is_float8"]
 
 # Read once, outside any compiled frame: torch 2.11's dynamo cannot trace the availability check
 # (a builtin), and breaks the promoted forward's graph on it.
@@ -81,23 +81,85 @@ class Island:
         self.module.__dict__.pop("forward", None)
 
 
+def is_float8(t: Any) -> bool:
+    """Whether ``t`` is a torchao float8 tensor (or a DTensor of one): its values are already
+    quantised, so whatever flushed to zero is gone."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return any(c.__name__.startswith("Float8") for c in type(local).__mro__)
+
+
 class Bf16Linear:
     """The fp8 -> bf16 promotion of one torchao float8 layer: an instance ``forward`` that runs
     ``F.linear`` in bf16 on the layer's own (fp32) weight and bias, so the same parameters, hooks
-    and optimizer state carry on; :meth:`remove` hands the class's float8 forward back."""
+    and optimizer state carry on; :meth:`remove` hands the class's float8 forward back.
+
+    Under tensor parallelism torchao's float8 styles cast the layer's input to float8 in a
+    pre-hook, before the layer runs: the flushed values would be lost before the bf16 linear
+    sees them. So a pre-hook of its own, ahead of every other, keeps the input as it came, and
+    the bf16 linear runs on it (a DTensor in the layout the style's hook gave, when it made one).
+    """
 
     def __init__(self, module: nn.Linear) -> None:
         self.module = module
+        self._raw: Any = None
+
+        def keep(_module: nn.Module, args: tuple[Any, ...]) -> None:
+            self._raw = args[0] if args else None
+
+        self._hook = module.register_forward_pre_hook(keep, prepend=True)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
+            raw, self._raw = self._raw, None
+            if is_float8(x) and raw is not None:
+                x = _as_received(raw, x)
             bias = module.bias
-            return torch.nn.functional.linear(
+            out = torch.nn.functional.linear(
                 x.to(torch.bfloat16),
                 module.weight.to(torch.bfloat16),
                 None if bias is None else bias.to(torch.bfloat16),
             )
+            return _PlainGrad.apply(out)  # type: ignore[no-any-return]
 
         setattr(module, "forward", forward)  # noqa: B010 (an instance attribute, on purpose)
 
     def remove(self) -> None:
+        self._hook.remove()
         self.module.__dict__.pop("forward", None)
+
+
+def _as_received(raw: torch.Tensor, received: Any) -> torch.Tensor:
+    """The high-precision input ``raw`` in the form the style handed the layer ``received``
+    (the same DTensor layout, when it made one)."""
+    if not hasattr(received, "to_local"):
+        return raw
+    from torch.distributed.tensor import DTensor
+
+    local = raw.to_local() if isinstance(raw, DTensor) else raw
+    if tuple(local.shape) != tuple(received.to_local().shape):
+        raise RuntimeError(
+            "adaptive fp8: a fallen-back layer's tensor-parallel style redistributes its input "
+            "(sequence parallel); the bf16 fallback cannot follow it: exclude the layer from "
+            "fp8 (fp8_exclude=...) or use the plain column/row styles"
+        )
+    return DTensor.from_local(local, received.device_mesh, received.placements, run_check=False)
+
+
+class _PlainGrad(torch.autograd.Function):
+    """Identity forward; in backward a float8 gradient (torchao's tensor-parallel styles cast
+    the layer's output gradient to float8 in their output hook) is handed on in high precision,
+    which the bf16 linear's own backward needs."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor) -> torch.Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        if not is_float8(grad):
+            return grad
+        if hasattr(grad, "to_local"):
+            from torch.distributed.tensor import DTensor
+
+            local = grad.to_local().to_original_precision()
+            return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
+        return grad.to_original_precision()

@@ -80,8 +80,8 @@ def check_adaptive_state(
     """Check an :meth:`AdaptivePrecision.state_dict` against the bound model.
 
     The change log must replay: every module is one of ``modules``; a float8 layer (in
-    ``fp8``) goes fp8 -> bf16 once, any other module ``low`` -> fp32 and back, promoted only
-    when not promoted and demoted only when promoted; a pinned module ends promoted. Counts
+    ``fp8``) goes fp8 -> bf16 and back, any other module ``low`` -> fp32 and back, promoted
+    only when not promoted and demoted only when promoted; a pinned module ends promoted. Counts
     are whole numbers >= 0, history entries module names or ``None``.
 
     Args:
@@ -119,13 +119,13 @@ def check_adaptive_state(
         up = ("fp8", "bf16") if module in fp8 else (low, "fp32")
         if (before, after) == up and module not in promoted:
             promoted.add(module)
-        elif module not in fp8 and (before, after) == ("fp32", low) and module in promoted:
+        elif (before, after) == up[::-1] and module in promoted:
             promoted.discard(module)
         else:
             now = "promoted" if module in promoted else "not promoted"
             raise ValueError(
                 f"{where}: {module!r} went {before} -> {after} while {now}; in this run it "
-                f"goes {up[0]} -> {up[1]}{'' if module in fp8 else ' and back'}, once in turn "
+                f"goes {up[0]} -> {up[1]} and back, once in turn "
                 "(a checkpoint of another precision, or of other float8 layers?)"
             )
         reason = _text(f"{where}['reason']", entry["reason"])
