@@ -352,6 +352,87 @@ def test_plugins_refuse_rules_they_cannot_run() -> None:
     build(AutocastPolicy("fp16", adaptive=True)).close()  # closed: the scaler is free again
 
 
+def _pipeline_stage(rank: int, world: int, policy: Any, seed: int = 0) -> tuple[Any, Any, Any]:
+    """``Net`` of the scenario ("small") split in two stages, one per rank (hot and mid; out),
+    under a DistAMP engine, and its GPipe schedule."""
+    from adaptive_scenarios import Net
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    import distamp
+
+    class First(nn.Module):
+        def __init__(self, net: Net) -> None:
+            super().__init__()
+            self.hot, self.mid = net.hot, net.mid
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.mid(self.hot(x)))
+
+    class Last(nn.Module):
+        def __init__(self, net: Net) -> None:
+            super().__init__()
+            self.out = net.out
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.out(h)
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(seed)
+    net = Net("small")
+    module = First(net) if rank == 0 else Last(net)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"), group=mesh.get_group())
+    amp = distamp.DistAMP("fp16", mesh=mesh, policy=policy)
+    amp.setup(stage, optimizer)
+    mse = amp.scaled_loss_fn(lambda out, y: torch.nn.functional.mse_loss(out.float(), y))
+    return amp, ScheduleGPipe(stage, 2, loss_fn=mse), module
+
+
+def _pipeline_train(amp: Any, schedule: Any, rank: int, steps: range) -> None:
+    from adaptive_scenarios import batch
+
+    for k in steps:
+        x, y = batch(k, 1)  # the overflowing data
+        amp.pipeline_step(schedule, x) if rank == 0 else amp.pipeline_step(schedule, target=y)
+
+
+def _pipeline(rank: int, world: int, root: str) -> dict[str, Any]:
+    amp, schedule, module = _pipeline_stage(rank, world, _policy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _pipeline_train(amp, schedule, rank, range(HALF))
+        amp.save_state(root)
+        _pipeline_train(amp, schedule, rank, range(HALF, STEPS))
+    out = {
+        "changes": [(c.step, c.module) for c in amp.adaptive.changes],
+        "skipped": amp.scaler.skipped_steps,
+        "params": [p.detach().flatten().tolist() for p in module.parameters()],
+    }
+    amp.close()
+    again, schedule, module = _pipeline_stage(rank, world, _policy(), seed=7)
+    assert again.load_state(root) and again.step_count == HALF
+    _pipeline_train(again, schedule, rank, range(HALF, STEPS))
+    out["resumed"] = [p.detach().flatten().tolist() for p in module.parameters()]
+    out["resumed_changes"] = [(c.step, c.module) for c in again.adaptive.changes]
+    again.close()
+    return out
+
+
+def test_pipeline_stage_promotes_what_its_modules_caused(tmp_path: Path) -> None:
+    """Two stages: the first holds the overflowing module, the second only inherits its NaN.
+    The skip is blamed job-wide on the first stage's module, which alone is promoted (step 10,
+    on the report both stages agree on); the second changes nothing. The engine's checkpoint
+    holds both stages' parts: a resume from step 60 ends bitwise where the whole run ended."""
+    first, last = run_ranks(_pipeline, 2, str(tmp_path), timeout=300)
+    assert first["changes"] == [(10, "hot.fc")], first["changes"]
+    assert last["changes"] == [], last["changes"]
+    assert first["skipped"] == last["skipped"] == 10
+    for stage in (first, last):
+        assert stage["resumed"] == stage["params"]
+        assert stage["resumed_changes"] == stage["changes"]
+
+
 def _pipeline_refusal(rank: int, world: int) -> list[str]:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -361,7 +442,11 @@ def _pipeline_refusal(rank: int, world: int) -> list[str]:
     from distamp import AutocastPolicy
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
-    stage = PipelineStage(nn.Linear(4, 4), rank, world, torch.device("cpu"), group=mesh.get_group())
+    group = mesh.get_group()
+    stages = [
+        PipelineStage(nn.Linear(4, 4), i, 2 * world, torch.device("cpu"), group=group)
+        for i in (rank, rank + world)
+    ]  # two stages per rank: an interleaved schedule's
     out = []
     for kwargs in (
         {"policy": AutocastPolicy("fp16", adaptive=True)},
@@ -369,14 +454,14 @@ def _pipeline_refusal(rank: int, world: int) -> list[str]:
         {"numerics_interval": 10},
     ):
         amp = distamp.DistAMP("fp16", mesh=mesh, **kwargs)
-        with pytest.raises(ValueError, match="not available under pipeline parallelism") as e:
-            amp.setup(stage, lambda p: torch.optim.SGD(p, lr=0.1))
+        with pytest.raises(ValueError, match="several pipeline stages on one rank") as e:
+            amp.setup(stages, lambda p: torch.optim.SGD(p, lr=0.1))
         out.append(str(e.value))
     return out
 
 
-def test_pipeline_stages_refuse_the_monitor_before_any_collective() -> None:
-    """Stages watch different modules: their statistics cannot share the job's one collective
-    (it would hang), so the engine refuses at setup, naming what to do instead."""
+def test_several_stages_per_rank_refuse_the_monitor_before_any_collective() -> None:
+    """Interleaved schedules (several stages on a rank) are refused at setup, naming what to do
+    instead: the job-wide segments take one stage per rank."""
     r0, r1 = run_ranks(_pipeline_refusal, 2, timeout=120)
     assert r0 == r1 and "fp32_modules=" in r0[0]

@@ -399,3 +399,63 @@ def test_backward_scales_under_fsdp2_and_tensor_parallelism(layout: str) -> None
     assert static["late_under"] > 0.3, static  # type: ignore[index]
     assert scaled["late_under"] * 10 <= static["late_under"], (static, scaled)  # type: ignore[index]
     assert scaled["exponents"]["0"] > 0 and scaled["changes"], scaled  # type: ignore[index]
+
+
+def _pipeline(rank: int, world: int) -> dict[str, object]:
+    """The deep model in two pipeline stages, one per rank (blocks 0-1; block 2 and the head),
+    GPipe over 2 micro-batches: static fp16, then backward scales."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    class Part(nn.Module):
+        def __init__(self, net: nn.Sequential, keep: tuple[int, ...]) -> None:
+            super().__init__()
+            self.layers = nn.ModuleDict({str(i): net[i] for i in keep})
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers.values():
+                x = layer(x)
+            return x
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    out: dict[str, object] = {}
+    for scaled in (False, True):
+        part = Part(deep_net(), (0, 1) if rank == 0 else (2, 3))
+        groups = [
+            {"params": m.parameters(), "lr": LR * getattr(m, "w", 1.0)}
+            for m in part.layers.values()
+        ]
+        stage = PipelineStage(part, rank, world, torch.device("cpu"), group=mesh.get_group())
+        policy = AutocastPolicy("fp16", backward_scales=True) if scaled else None
+        amp = distamp.DistAMP("fp16", mesh=mesh, policy=policy, numerics_interval=INTERVAL)
+        amp.setup(stage, lambda _p, g=groups: torch.optim.Adam(g))  # type: ignore[misc]
+        mse = amp.scaled_loss_fn(lambda o, y: F.mse_loss(o.float(), y))
+        schedule = ScheduleGPipe(stage, 2, loss_fn=mse)
+        under = []
+        for k in range(STEPS):
+            x, y = batch(k)
+            amp.pipeline_step(schedule, x) if rank == 0 else amp.pipeline_step(schedule, target=y)
+            stats = amp.numerics()
+            if rank == 0 and stats is not None and stats.step == k + 1:
+                under.append(stats.underflow["layers.0.fc.weight"])
+        assert amp.adaptive is not None
+        out["scaled" if scaled else "static"] = {
+            "late_under": sum(under[-5:]) / 5 if under else None,
+            "exponents": amp.adaptive.grad_exponents,
+            "skipped": amp.scaler.skipped_steps,
+        }
+        amp.close()
+    return out
+
+
+def test_backward_scales_under_pipeline_parallelism() -> None:
+    """Each stage scales its own blocks: the first stage's small block underflows at least 10x
+    less than under static fp16 and its exponent rises; the stages skip the same steps."""
+    first, last = run_ranks(_pipeline, 2, timeout=300)
+    static, scaled = first["static"], first["scaled"]
+    assert static["late_under"] > 0.3, static  # type: ignore[index]
+    assert scaled["late_under"] * 10 <= static["late_under"], (static, scaled)  # type: ignore[index]
+    assert scaled["exponents"]["layers.0"] > 0, scaled  # type: ignore[index]
+    assert last["scaled"]["exponents"]["layers.2"] == 0, last  # type: ignore[index]
+    for key in ("static", "scaled"):
+        assert first[key]["skipped"] == last[key]["skipped"]  # type: ignore[index]

@@ -244,7 +244,7 @@ class DistAMP(RunLoop):
         self.device = training_device(cfg)
         stages, model = pipeline_stages(model)
         check_model(model)
-        if stages:
+        if len(stages) > 1:
             refuse_under_pipeline(cfg.policy, cfg.numerics_interval)
         parallelised = cfg.mesh is not None or bool(stages) or is_parallelised(model)
         ft = cfg.ft_manager
@@ -315,6 +315,7 @@ class DistAMP(RunLoop):
             self.adaptive = AdaptiveRun.build(
                 model, precision=cfg.precision, policy=cfg.policy, scaler=self.scaler,
                 interval=cfg.numerics_interval, step=self.step_count,
+                stage=stages[0].stage_index if stages else None,
             )  # fmt: skip
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
         self.metrics = Metrics(self.device)
@@ -380,8 +381,7 @@ class DistAMP(RunLoop):
         opt, scaler = self.optimizer, self.scaler
         self.cycle.check_step()
         norm = None
-        # An adaptive run watches the scaler: gradient underflow is read before the first
-        # unscale, and the agreed report's decisions are taken at the end of update().
+        # An adaptive run watches the scaler: it reads and decides inside the scaler's calls.
         with named_collective("step (overflow flag and norm agreement)", self.config.timeout):
             # 1. clip: unscale + overflow check + norm in one pass and the step's one
             #    collective; the clip factor is applied once (inside a fused optimizer's step)

@@ -172,6 +172,8 @@ class NumericMonitor:
         self._firsts: list[torch.Tensor] = []  # per step of the window: blamed module or -1
         self._sent = False
         self.latest: NumericStats | None = None
+        # Pipeline stages: set when this step's skip lies in an earlier stage (then blame none)
+        self.blamed_upstream: torch.Tensor | None = None
         self._handles = [
             mod.register_forward_hook(self._hook(i)) for i, (_, mod) in enumerate(self.modules)
         ]
@@ -287,7 +289,15 @@ class NumericMonitor:
         order = self._order + [i for i in range(len(self.modules)) if i not in self._order]
         perm = torch.tensor(order, device=self._agreed_bad.device)
         bad = self._agreed_bad[perm]
-        return torch.where(bad.any(), perm[bad.to(torch.int8).argmax()], -1)
+        first = torch.where(bad.any(), perm[bad.to(torch.int8).argmax()], -1)
+        if self.blamed_upstream is not None:
+            first = torch.where(self.blamed_upstream.to(first.device), -1, first)
+        return first
+
+    @property
+    def capacity(self) -> int:
+        """The most floats :meth:`payload` sends in a step (at a reporting step)."""
+        return 2 * len(self.modules) + len(self.params) + len(self._fp8)
 
     def end_step(self, skipped: torch.Tensor) -> NumericStats | None:
         """After ``update()``: record which module the (agreed) skip is blamed on, and at a
@@ -306,7 +316,7 @@ class NumericMonitor:
             torch.maximum(self._window_amax, self._step_amax, out=self._window_amax)
             self._step_amax.zero_()
         self.step += 1
-        self._sent, self._agreed_bad = False, None
+        self._sent, self._agreed_bad, self.blamed_upstream = False, None, None
         if not due:
             return None
         return self._report()

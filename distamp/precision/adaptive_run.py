@@ -10,7 +10,9 @@ Per-block backward scales (``AutocastPolicy(backward_scales=...)``) ride along t
 their window joins the monitor's payload, their exponents change at the same reports and are
 handed to the scaler, which unscales each gradient by its own factor. Every change is logged
 (``logging`` logger ``"distamp.precision"``) and kept for the owner to hand to its framework's
-own logger (:meth:`AdaptiveRun.take_changes`, :func:`change_metrics`).
+own logger (:meth:`AdaptiveRun.take_changes`, :func:`change_metrics`). Pipeline stages (one
+per rank) each decide for their own modules from their segment of the job-wide statistics
+(:mod:`distamp.precision.pipeline_riders`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 from distamp.observe.numerics import NumericMonitor, NumericStats
 from distamp.precision.adaptive import AdaptivePrecision, PrecisionChange
 from distamp.precision.backward_scales import BackwardScaleChange, BackwardScales
+from distamp.precision.pipeline_riders import StageSegments, gather_stage_states
 from distamp.precision.policy import AutocastPolicy, Precision, parse_precision
 from distamp.scaler import DistributedGradScaler
 
@@ -102,6 +105,10 @@ class AdaptiveRun:
             scaler has no step to watch.
         interval: steps between reports when the policy does not set one.
         step: the owner's optimizer-step count now.
+        stage: this rank's pipeline stage index (one stage per rank), or ``None``: the
+            statistics then ride in the stage's segment of a job-wide vector
+            (:mod:`distamp.precision.pipeline_riders`), each stage decides for its own
+            modules, and :meth:`state_dict` holds every stage's part (collective).
     """
 
     def __init__(
@@ -113,6 +120,7 @@ class AdaptiveRun:
         scaler: DistributedGradScaler,
         interval: int | None,
         step: int,
+        stage: int | None = None,
     ) -> None:
         self.adaptive: AdaptivePrecision | None = policy.adaptive if policy is not None else None
         self.scales: BackwardScales | None = policy.backward_scales if policy is not None else None
@@ -150,13 +158,16 @@ class AdaptiveRun:
         self.changes: list[Change] = []  # every change made or replayed, in order
         self._taken: dict[str, int] = {}  # reader -> how many take_changes() handed it
         self._riders: _StepRiders | None = None
+        rider: Any = self.monitor
         if self.scales is not None:  # its hooks after the monitor's: the order they always ran
             self.scales.bind(model)
             scaler.set_grad_exponents(self.scales.grad_exponents())
-            self._riders = _StepRiders(self.monitor, self.scales)
-            scaler.attach_rider(self._riders)
-        else:
-            scaler.attach_rider(self.monitor)
+            self._riders = rider = _StepRiders(self.monitor, self.scales)
+        self.stage = stage
+        if stage is not None:
+            capacity = self.monitor.capacity + (0 if self.scales is None else self.scales.capacity)
+            rider = StageSegments(rider, self.monitor, stage, capacity)
+        scaler.attach_rider(rider)
         scaler.attach_watcher(self)
 
     @classmethod
@@ -169,6 +180,7 @@ class AdaptiveRun:
         scaler: DistributedGradScaler,
         interval: int | None,
         step: int,
+        stage: int | None = None,
     ) -> AdaptiveRun | None:
         """An :class:`AdaptiveRun` when the policy is adaptive, scales blocks' gradients, or
         ``interval`` is set."""
@@ -178,8 +190,9 @@ class AdaptiveRun:
         if not adaptive and interval is None:
             return None
         return cls(
-            model, precision=precision, policy=policy, scaler=scaler, interval=interval, step=step
-        )
+            model, precision=precision, policy=policy, scaler=scaler, interval=interval,
+            step=step, stage=stage,
+        )  # fmt: skip
 
     @classmethod
     def for_plugin(
@@ -292,16 +305,32 @@ class AdaptiveRun:
         return self.monitor.latest
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """The monitor's window, the change logs and the rules' counts (plain Python). For a
+        pipeline stage every stage's, gathered (collective: call it on every rank)."""
+        state = {
             "monitor": self.monitor.state_dict(),
             "adaptive": None if self.adaptive is None else self.adaptive.state_dict(),
             "backward_scales": None if self.scales is None else self.scales.state_dict(),
         }
+        return state if self.stage is None else gather_stage_states(self.stage, state)
+
+    def _own(self, state: Any) -> Any:
+        """A pipeline stage's part of a gathered state (see :meth:`state_dict`)."""
+        if self.stage is None:
+            return state
+        stages = state.get("stages") if isinstance(state, dict) else None
+        if not isinstance(stages, dict) or str(self.stage) not in stages:
+            raise ValueError(
+                f"pipeline stage {self.stage}: the state holds no part for it (saved by another "
+                f"pipeline layout?), got {state!r:.200}"
+            )
+        return stages[str(self.stage)]
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
         """Check a :meth:`state_dict` against this run (``ValueError`` naming the part and the
         field); changes nothing: the monitor's window, the promotions (modules this model has)
         and the backward-scale exponents (blocks this model has, exponents in range)."""
+        state = self._own(state)
         if not isinstance(state, dict) or "monitor" not in state:
             raise ValueError(f"must be a dict with a 'monitor' entry, got {state!r:.200}")
         self.monitor.check_state_dict(state["monitor"])
@@ -317,6 +346,7 @@ class AdaptiveRun:
         """Restore the monitor's window and replay the saved precision changes (checked first:
         a refused state changes nothing)."""
         self.check_state_dict(state)
+        state = self._own(state)
         self.monitor.load_state_dict(state["monitor"])
         replayed: list[Change] = []
         if self.adaptive is not None and state.get("adaptive") is not None:
@@ -362,9 +392,9 @@ def load_plugin_state(state: dict[str, Any], scaler: Any, run: AdaptiveRun | Non
 
 
 def refuse_under_pipeline(policy: AutocastPolicy | None, interval: int | None) -> None:
-    """Refuse the monitor, adaptive rules and backward scales for pipeline stages, before any
-    collective: each stage watches other modules, so their statistics differ in length from
-    stage to stage and cannot ride the job's one flag collective (it would hang).
+    """Refuse the monitor, adaptive rules and backward scales for a rank that holds several
+    pipeline stages (interleaved and looped schedules), before any collective: one stage per
+    rank is what the job-wide segments (:mod:`distamp.precision.pipeline_riders`) describe.
 
     Raises:
         ValueError: naming what was asked for and what to do instead.
@@ -376,8 +406,8 @@ def refuse_under_pipeline(policy: AutocastPolicy | None, interval: int | None) -
         asked.append("AutocastPolicy(backward_scales=...)")
     if asked:
         raise ValueError(
-            f"{' and '.join(asked)} with pipeline stages: the numeric monitor and the rules it "
-            "drives are not available under pipeline parallelism (each stage watches other "
-            "modules, and their statistics cannot share the job's one flag collective); train "
-            "the stages with a static policy (fp32_modules=... for the modules that overflow)"
+            f"{' and '.join(asked)} with several pipeline stages on one rank: the numeric "
+            "monitor and the rules it drives take one stage per rank (GPipe, 1F1B); use such a "
+            "schedule, or train these stages with a static policy (fp32_modules=... for the "
+            "modules that overflow)"
         )

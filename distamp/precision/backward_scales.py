@@ -325,6 +325,11 @@ class BackwardScales:
         torch.maximum(self._window[2 * b :], largest, out=self._window[2 * b :])
         step.zero_()
 
+    @property
+    def capacity(self) -> int:
+        """The most floats :meth:`payload` sends: ``[over, non-finite, amax]`` per block."""
+        return 3 * len(self.names)
+
     def payload(self, due: bool) -> torch.Tensor | None:
         """The rider's part at a reporting step (``due``): the window of the steps completed
         since the last report, ``[over, non-finite, amax]`` per block; nothing otherwise. The
