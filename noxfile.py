@@ -29,11 +29,17 @@ TORCH = "torch==2.13.0"
 # The CPU build where a local wheel directory serves it (as on the CI machines); without the
 # constraint uv may resolve the CUDA build of the same release.
 LOCAL_WHEELS = Path("/opt/wheels")
+_EVERYWHERE = "tests/test_adaptive_everywhere.py::test_"  # adaptive precision per plug-in
 TESTS = {
-    "transformers": ["tests/test_transformers.py"],
-    "accelerate": ["tests/test_accelerate.py"],
-    "lightning": ["tests/test_lightning.py", "tests/test_lightning_trainer.py"],
-    "torchao": ["tests/test_fp8.py"],
+    "transformers": ["tests/test_transformers.py", f"{_EVERYWHERE}hugging_face_trainer"],
+    "accelerate": ["tests/test_accelerate.py", f"{_EVERYWHERE}accelerate"],
+    "lightning": [
+        "tests/test_lightning.py",
+        "tests/test_lightning_trainer.py",
+        f"{_EVERYWHERE}fabric",
+        f"{_EVERYWHERE}lightning_trainer",
+    ],
+    "torchao": ["tests/test_fp8.py", "tests/test_adaptive_fp8.py"],
     "ray": ["tests/test_ray.py"],
     "torchft": ["tests/test_torchft.py"],
 }
