@@ -5,8 +5,8 @@ The scenario (tests/adaptive_scenarios.py): ``net.hot`` overflows fp16 on rank 1
 once as 10% of the parameters and once as 67% (over the default ``max_promoted_fraction`` of
 25%), with the default rules. Each way must take >= 100 of 120 steps, promote ``net.hot`` at the
 same step on both ranks, keep the ranks' parameters bitwise equal and end within 5% of fp32.
-Accelerate and the Lightning Trainer also save in the middle and resume, bitwise equal to the
-uninterrupted run.
+Accelerate, Fabric, the Lightning Trainer and the Hugging Face Trainer also save in the middle
+and resume, bitwise equal to the uninterrupted run (the engine's resume is in test_adaptive.py).
 """
 
 from __future__ import annotations
@@ -143,43 +143,62 @@ def test_accelerate(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- Lightning Fabric
 
 
-def _fabric(rank: int, world: int) -> dict[str, Any]:
+def _fabric_run(
+    rank: int, world: int, share: str, *, save: str | None = None, load: str | None = None
+) -> tuple[Any, Any]:
     from lightning.fabric import Fabric
 
     from distamp.integrations.lightning import DistAMPEnvironment, DistAMPPrecision
 
+    plugin = DistAMPPrecision("16-mixed", device="cpu", policy=_policy())
+    fabric = Fabric(
+        accelerator="cpu", devices=world, strategy="ddp", plugins=[plugin, DistAMPEnvironment()]
+    )
+    fabric.launch()
+    model = Scenario(share, rank)
+    opt = optimizer(model)
+    sched = make_schedule(opt)
+    wrapped, opt = fabric.setup(model, opt)
+    state = {"model": wrapped, "optimizer": opt, "scheduler": sched, "amp": plugin}
+    start = 0
+    if load is not None:  # the plugin's state: the scaler's and the adaptive run's
+        fabric.load(load, state)
+        model.calls = start = HALF
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for k in range(start, STEPS):
+            if save is not None and k == HALF:
+                fabric.save(save, state)
+            fabric.backward(wrapped())
+            opt.step()
+            if not plugin.step_was_skipped:  # as the engine: the schedule follows real steps
+                sched.step()
+            opt.zero_grad()
+    return plugin, model
+
+
+def _fabric(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for share in SHARES:
-        plugin = DistAMPPrecision("16-mixed", device="cpu", policy=_policy())
-        fabric = Fabric(
-            accelerator="cpu", devices=world, strategy="ddp",
-            plugins=[plugin, DistAMPEnvironment()],
-        )  # fmt: skip
-        fabric.launch()
-        model = Scenario(share, rank)
-        opt = optimizer(model)
-        sched = make_schedule(opt)
-        wrapped, opt = fabric.setup(model, opt)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            for _ in range(STEPS):
-                fabric.backward(wrapped())
-                opt.step()
-                if not plugin.step_was_skipped:  # as the engine: the schedule follows real steps
-                    sched.step()
-                opt.zero_grad()
-        assert plugin.adaptive is not None
-        skipped = plugin.scaler.skipped_steps  # type: ignore[union-attr]
-        out[share] = outcome(model, plugin.adaptive.changes, skipped)
+        ckpt = os.path.join(root, "half.ckpt") if share == "small" else None
+        plugin, model = _fabric_run(rank, world, share, save=ckpt)
+        out[share] = outcome(model, plugin.adaptive.changes, plugin.scaler.skipped_steps)
         out[share]["metrics"] = plugin.metrics_dict()  # for fabric.log_dict
         plugin.adaptive.close()
+        if ckpt is not None:
+            plugin, model = _fabric_run(rank, world, share, load=ckpt)
+            out["resumed"] = outcome(model, plugin.adaptive.changes, plugin.scaler.skipped_steps)
+            plugin.adaptive.close()
     return out
 
 
 @_needs("lightning")
-def test_fabric() -> None:
-    results = run_ranks(_fabric, 2, timeout=300)
+def test_fabric(tmp_path: Path) -> None:
+    results = run_ranks(_fabric, 2, str(tmp_path), timeout=300)
     _check_all(results)
+    for r in results:  # fabric.save / fabric.load with the plugin in the state
+        assert r["resumed"]["changes"] == r["small"]["changes"]
+        assert r["resumed"]["params"] == r["small"]["params"]
     for share in SHARES:  # the change reaches the metrics a Fabric loop logs
         assert results[0][share]["metrics"]["distamp/precision_bits/net.hot.fc"] == 32.0
 
