@@ -7,6 +7,8 @@ Layout of a checkpoint directory ``DIR``::
                                 its shards; replicated tensors are written once)
     DIR/step_00000120/trainer.pt  step counter, scaler, scheduler (rank 0; identical on all ranks)
     DIR/step_00000120/rng_<r>.pt  rank r's RNG streams (they differ between ranks)
+    DIR/step_00000120/rank_<r>.pt rank r's own state when it has some (a comm hook's
+                                error-feedback residuals)
 
 A save goes to a hidden temporary directory first; every file is fsynced, the directory is
 renamed into place, and only then is the manifest replaced (itself written to a temporary file,
@@ -170,6 +172,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
     keep: int = 2,
+    rank_state: dict[str, Any] | None = None,
 ) -> Path:
     """Save a checkpoint of step ``step`` atomically; collective: call on every rank.
 
@@ -180,6 +183,7 @@ def save_checkpoint(
         trainer_state: small, rank-identical state (step, scaler, scheduler...) that rank 0
             writes alone; tensors and plain Python values only.
         keep: how many complete checkpoints to keep (the newest ones); at least 1.
+        rank_state: this rank's own state (it differs between ranks), or ``None``.
 
     Returns:
         The committed step directory.
@@ -202,6 +206,8 @@ def save_checkpoint(
             {"model": msd, "optim": osd}, checkpoint_id=tmp / "state", no_dist=not is_distributed()
         )
     _save_synced(capture_rng(), tmp / f"rng_{rank}.pt")
+    if rank_state is not None:
+        _save_synced(rank_state, tmp / f"rank_{rank}.pt")
     if rank == 0:
         meta = {"format": FORMAT_VERSION, "step": step, "world_size": world}
         _save_synced({**trainer_state, "meta": meta}, tmp / "trainer.pt")
@@ -255,6 +261,7 @@ class CheckpointRead:
     trainer: dict[str, Any]  # the ``trainer_state`` given to save_checkpoint, with "meta"
     rng: dict[str, Any] | None  # this rank's streams; None when saved by another world size
     saved_world: int | None  # the world size that saved it
+    rank_state: dict[str, Any] | None = None  # this rank's own state, when it saved some
 
 
 def read_checkpoint(
@@ -298,9 +305,12 @@ def read_checkpoint(
     assert isinstance(trainer, dict)
     saved_world = meta.get("world_size")
     rng, error = None, None
+    own = None
     if saved_world == world:
         try:
             rng = _load_file(path / f"rng_{rank}.pt", root)
+            if (path / f"rank_{rank}.pt").exists():
+                own = _load_file(path / f"rank_{rank}.pt", root)
         except CheckpointError as exc:
             error = str(exc)
     mismatch = _mismatch(path / "state", root, model)  # collective: on every rank
@@ -313,7 +323,8 @@ def read_checkpoint(
         error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise CheckpointError(error)
-    return CheckpointRead(path, trainer, rng, saved_world if isinstance(saved_world, int) else None)
+    world_saved = saved_world if isinstance(saved_world, int) else None
+    return CheckpointRead(path, trainer, rng, world_saved, own)
 
 
 def _refuse_foreign(root: Path) -> None:

@@ -48,6 +48,7 @@ from distamp.engine.resume import plan_resume
 from distamp.observe.diagnostics import NonFiniteTracer
 from distamp.observe.metrics import Metrics, StepResult
 from distamp.observe.numerics import NumericStats
+from distamp.parallel.comm_hooks import comm_state_dict, load_comm_state
 from distamp.parallel.replicas import QuorumSchedule, unwrap_ft_optimizer, wrap_replicas
 from distamp.parallel.strategies import (
     SHARDED,
@@ -89,8 +90,8 @@ class DistAMP(RunLoop):
             ``"default"`` for ``AutocastPolicy(precision)``: fp32 modules and ops, identical on
             CPU and CUDA; under FSDP also the per-unit gather/reduce dtypes. ``None``: plain
             autocast.
-        comm_hook: DDP gradient compression aware of loss scaling: ``"fp16"``, ``"bf16"``,
-            ``"powersgd"`` (see :mod:`distamp.parallel.comm_hooks`), or ``None``.
+        comm_hook: DDP gradient communication aware of loss scaling: "fp16", "bf16", "fp8",
+            "fp8-ef", "powersgd", "fp32" (:mod:`distamp.parallel.comm_hooks`), or ``None``.
         hsdp_shard_size: ranks per shard group for ``strategy="hsdp"`` (default: one node).
         mesh: the job's ``DeviceMesh`` when you parallelised the model yourself, torchtitan
             style (``parallelize_module`` for TP, ``fully_shard`` over dp, pipeline stages): the
@@ -112,8 +113,7 @@ class DistAMP(RunLoop):
         ft_manager: this replica group's ``torchft.Manager``: the model is wrapped in torchft's
             DDP across replicas (unless wrapped or sharded by you), the scaler agrees, votes and
             heals through it, and each step's quorum starts as its first forward enters
-            :meth:`autocast`: do not call ``start_quorum`` yourself
-            (:mod:`distamp.parallel.replicas`).
+            :meth:`autocast` (do not call ``start_quorum``; :mod:`distamp.parallel.replicas`).
 
     Raises:
         ValueError: a bad setting; the message names the field and echoes the value.
@@ -437,6 +437,7 @@ class DistAMP(RunLoop):
                 optimizer=self.optimizer,
                 trainer_state=self.state_dict(),
                 keep=keep,
+                rank_state=comm_state_dict(self.comm_hook_state),
             )
 
     def load_state(self, directory: str | Path) -> bool:
@@ -463,6 +464,7 @@ class DistAMP(RunLoop):
                 scaler=self.scaler, scheduler=self.scheduler, adaptive=self.adaptive,
             )  # fmt: skip
             apply_checkpoint(read, model=self.model, optimizer=self.optimizer)
+            load_comm_state(self.comm_hook_state, read.rank_state)  # error-feedback residuals
             if self.fp8 is not None:
                 self.fp8.after_step(self.model)  # the loaded weights' float8 scales
         self.step_count = plan.apply(self.scaler, self.scheduler, self.adaptive, self.skips)
@@ -474,13 +476,11 @@ class DistAMP(RunLoop):
         return None if self.adaptive is None else self.adaptive.latest
 
     def close(self) -> None:
-        """Finish the job cleanly on every rank. Collective: call on every rank.
+        """Finish the job cleanly on every rank (collective; idempotent; no training after).
 
-        A barrier (no rank tears down while a peer still sends); the model, optimizer and hooks
-        released, so DDP's reducer and its group die now, in order, not at interpreter shutdown
-        (where gloo's threads can abort: "terminate called without an active exception"); the
-        group destroyed if :meth:`setup` created it. No training after this. Idempotent.
-        """
+        A barrier; the model, optimizer and hooks released, so DDP's reducer and its group die
+        now, in order, not at interpreter shutdown (where gloo's threads can abort); the group
+        destroyed if :meth:`setup` created it."""
         if is_distributed():
             dist.barrier()
         if self.tracer is not None:

@@ -23,8 +23,13 @@ The hooks here:
   after a skipped step the residual is reset and ``Q`` restored to its value before that step,
   and residuals are rescaled when the loss scale changed. The skip flag and the scale are read
   from the scaler as tensors, so no hook call syncs with the host.
+- ``"fp8"`` / ``"fp8-ef"``: 8-bit floats with agreed per-chunk scales, fp32 accumulation and
+  optional error feedback (:mod:`distamp.parallel.fp8_comm`).
+- :func:`fp32_hook`: DDP's own all-reduce (average in fp32), counted: the uncompressed path
+  against which the others' bytes are read.
 
-Every hook returns the *average* over ranks, as DDP expects.
+Every hook returns the *average* over ranks, as DDP expects, and every hook but PowerSGD counts
+the bytes its rank sends (``state.sent``: payload and scales apart, per step).
 """
 
 # No `from __future__ import annotations`: DDP's register_comm_hook checks the hook's annotations
@@ -36,45 +41,32 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 from torch.nn.parallel import DistributedDataParallel
 
+from distamp.parallel.fp8_comm import Fp8CommState, WireBytes, fp8_hook
+from distamp.parallel.scale_reads import current_loss_scale, last_step_skipped
+
 __all__ = [
     "COMM_HOOKS",
     "CompressionState",
     "PowerSGDState",
+    "Fp8CommState",
     "bf16_hook",
+    "comm_state_dict",
     "current_loss_scale",
+    "fp8_hook",
     "fp16_hook",
+    "fp32_hook",
+    "load_comm_state",
     "powersgd_hook",
     "register_comm_hook",
 ]
 
-COMM_HOOKS: tuple[str, ...] = ("fp16", "bf16", "powersgd")
+COMM_HOOKS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "fp8-ef", "powersgd")
 
 # The fp16 sum is kept at or below 2**15 (fp16's maximum is 65504 < 2**16): a power of two, so the
 # compression factor is exact, with a factor-of-two margin for rounding.
 _FP16_TARGET_LOG2 = 15.0
 # Bounds of the compression factor's exponent: fp32 must hold the factor and its reciprocal.
 _LOG2_MIN, _LOG2_MAX = -100.0, 100.0
-
-
-def current_loss_scale(scaler: Any) -> torch.Tensor | None:
-    """The scaler's loss scale as its 0-dim device tensor, without a host sync.
-
-    ``torch.amp.GradScaler`` keeps it in ``_scale`` and offers only ``get_scale()``, which
-    syncs; this reads the tensor instead (checked on torch 2.4-2.13). ``None`` when there is no
-    scaler, it is disabled (bf16/fp32) or it has not scaled anything yet.
-    """
-    if scaler is None or not scaler.is_enabled():
-        return None
-    scale = getattr(scaler, "_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else None
-
-
-def _last_step_skipped(scaler: Any, device: torch.device) -> torch.Tensor:
-    """0-dim bool tensor on ``device``: whether the scaler skipped the previous step."""
-    flag = getattr(scaler, "last_step_skipped", None) if scaler is not None else None
-    if not isinstance(flag, torch.Tensor):
-        return torch.zeros((), dtype=torch.bool, device=device)
-    return flag.to(device=device, dtype=torch.bool, non_blocking=True)
 
 
 class CompressionState:
@@ -86,6 +78,7 @@ class CompressionState:
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.process_group = process_group
+        self.sent = WireBytes()  # what this rank sent, payload and scales apart
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -122,6 +115,9 @@ def fp16_hook(
         if buffer.numel()
         else torch.zeros(1, device=buffer.device)
     )
+    state.sent.add("all_reduce", 4, world, scales=True)
+    state.sent.add("all_reduce", 2 * buffer.numel(), world)
+    state.sent.steps += int(bucket.is_last())
     agreed = dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group, async_op=True)
     assert agreed is not None
 
@@ -149,6 +145,8 @@ def bf16_hook(
     world = dist.get_world_size(group)
     buffer = bucket.buffer()
     compressed = buffer.to(torch.bfloat16).div_(world)
+    state.sent.add("all_reduce", 2 * buffer.numel(), world)
+    state.sent.steps += int(bucket.is_last())
     work = dist.all_reduce(compressed, group=group, async_op=True)
     assert work is not None
 
@@ -157,6 +155,20 @@ def bf16_hook(
         return buffer
 
     return work.get_future().then(decompress)
+
+
+def fp32_hook(
+    state: CompressionState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP's own averaging all-reduce at the bucket's width, with its bytes counted."""
+    group = state.group
+    world = dist.get_world_size(group)
+    buffer = bucket.buffer().div_(world)
+    state.sent.add("all_reduce", buffer.numel() * buffer.element_size(), world)
+    state.sent.steps += int(bucket.is_last())
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    assert work is not None
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 class PowerSGDState:
@@ -215,7 +227,7 @@ class PowerSGDState:
           scale's units and is multiplied by ``new / old``.
         """
         inner = self.inner
-        skipped = _last_step_skipped(self.scaler, device)
+        skipped = last_step_skipped(self.scaler, device)
         q = inner.q_memory_dict.get(index) if inner.warm_start else None
         if q is not None:
             skipped = skipped | ~torch.isfinite(q).all()
@@ -254,19 +266,22 @@ def register_comm_hook(
     *,
     scaler: Any = None,
     process_group: dist.ProcessGroup | None = None,
-    **powersgd_options: Any,
-) -> CompressionState | PowerSGDState:
-    """Register the hook named ``kind`` (``"fp16"``, ``"bf16"`` or ``"powersgd"``) on ``model``.
+    **options: Any,
+) -> CompressionState | PowerSGDState | Fp8CommState:
+    """Register the hook named ``kind`` (one of :data:`COMM_HOOKS`) on ``model``.
 
     Args:
         model: the DDP module; register before its first backward.
         kind: one of :data:`COMM_HOOKS`.
-        scaler: the loss scaler (PowerSGD reads its scale and skip flag).
+        scaler: the loss scaler (PowerSGD and fp8's error feedback read its scale and skip
+            flag).
         process_group: the replicas' group; ``None`` is the default group.
-        powersgd_options: keyword arguments of :class:`PowerSGDState`.
+        options: keyword arguments of :class:`PowerSGDState` (``"powersgd"``) or of
+            :class:`~distamp.parallel.fp8_comm.Fp8CommState` (``"fp8"``/``"fp8-ef"``:
+            ``format``, ``chunk``).
 
     Returns:
-        The hook's state.
+        The hook's state (``state.sent``: the bytes its rank sends, except for PowerSGD).
 
     Raises:
         ValueError: unknown ``kind``, or options given for a hook that takes none.
@@ -277,13 +292,37 @@ def register_comm_hook(
             f"{type(model).__name__}: comm hooks exist only for strategy='ddp'"
         )
     if kind == "powersgd":
-        psgd = PowerSGDState(scaler, process_group, **powersgd_options)
+        psgd = PowerSGDState(scaler, process_group, **options)
         model.register_comm_hook(psgd, powersgd_hook)
         return psgd
+    if kind in ("fp8", "fp8-ef"):
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        ef = kind == "fp8-ef"
+        fp8 = Fp8CommState(scaler, process_group, error_feedback=ef, names=names, **options)
+        model.register_comm_hook(fp8, fp8_hook)
+        return fp8
     if kind not in COMM_HOOKS:
         raise ValueError(f"comm_hook={kind!r} is not one of {COMM_HOOKS} (or None)")
-    if powersgd_options:
-        raise ValueError(f"comm_hook={kind!r} takes no options, got {sorted(powersgd_options)}")
+    if options:
+        raise ValueError(f"comm_hook={kind!r} takes no options, got {sorted(options)}")
     comp = CompressionState(process_group)
-    model.register_comm_hook(comp, fp16_hook if kind == "fp16" else bf16_hook)
+    hooks = {"fp32": fp32_hook, "fp16": fp16_hook, "bf16": bf16_hook}
+    model.register_comm_hook(comp, hooks[kind])
     return comp
+
+
+def comm_state_dict(state: Any) -> dict[str, Any] | None:
+    """A hook state's per-rank checkpoint part (the fp8 hook's error-feedback residuals), or
+    ``None`` when it keeps nothing across steps worth saving."""
+    if isinstance(state, Fp8CommState) and state.error_feedback:
+        return {"fp8_comm": state.state_dict()}
+    return None
+
+
+def load_comm_state(state: Any, saved: dict[str, Any] | None) -> None:
+    """Restore :func:`comm_state_dict`'s output into ``state`` (nothing when either is
+    missing: a run that switches the hook on starts with empty residuals)."""
+    if isinstance(state, Fp8CommState) and state.error_feedback and saved is not None:
+        if "fp8_comm" not in saved:
+            raise ValueError(f"rank state: expected 'fp8_comm', got {sorted(saved)}")
+        state.load_state_dict(saved["fp8_comm"])
