@@ -117,10 +117,12 @@ class AMPConfig:
                 )
         if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook={self.comm_hook!r} is not one of {COMM_HOOKS} or None")
-        if self.comm_hook is not None and self.strategy not in ("auto", "ddp"):
+        fsdp2_ok = self.comm_hook in ("fp8", "fp8-ef") and self.strategy == "fsdp2"
+        if self.comm_hook is not None and self.strategy not in ("auto", "ddp") and not fsdp2_ok:
             raise ValueError(
                 f"comm_hook={self.comm_hook!r} with strategy={self.strategy!r}: comm hooks are "
-                "DDP's; use strategy='ddp' (or 'auto') or comm_hook=None"
+                "DDP's ('fp8' and 'fp8-ef' also FSDP2's); use strategy='ddp' (or 'auto') or "
+                "comm_hook=None"
             )
         n = _integer("grad_accum_steps", self.grad_accum_steps)
         if not 1 <= n <= INT32_MAX:
@@ -370,7 +372,8 @@ def _check_combinations(cfg: AMPConfig, strategy: str, optimizer: Any, scheduler
             "so a scheduler bound to it would drive a stale one; pass factories instead: "
             f"`lambda params: ...` and `lambda opt: {type(scheduler).__name__}(opt, ...)`"
         )
-    if cfg.comm_hook is not None and strategy != "ddp":
+    fsdp2_ok = cfg.comm_hook in ("fp8", "fp8-ef") and strategy == "fsdp2"
+    if cfg.comm_hook is not None and strategy != "ddp" and not fsdp2_ok:
         raise ValueError(
             f"comm_hook={cfg.comm_hook!r}: strategy resolved to {strategy!r}, which has "
             "no DDP comm hooks (one process resolves 'auto' to 'none'); use comm_hook=None"

@@ -90,8 +90,8 @@ class DistAMP(RunLoop):
             ``"default"`` for ``AutocastPolicy(precision)``: fp32 modules and ops, identical on
             CPU and CUDA; under FSDP also the per-unit gather/reduce dtypes. ``None``: plain
             autocast.
-        comm_hook: DDP gradient communication aware of loss scaling: "fp16", "bf16", "fp8",
-            "fp8-ef", "powersgd", "fp32" (:mod:`distamp.parallel.comm_hooks`), or ``None``.
+        comm_hook: gradient communication aware of loss scaling: "fp16", "bf16", "fp8", "fp8-ef",
+            "powersgd", "fp32" for DDP, "fp8"/"fp8-ef" for FSDP2 (:mod:`~.parallel.comm_hooks`).
         hsdp_shard_size: ranks per shard group for ``strategy="hsdp"`` (default: one node).
         mesh: the job's ``DeviceMesh`` when you parallelised the model yourself, torchtitan
             style (``parallelize_module`` for TP, ``fully_shard`` over dp, pipeline stages): the
@@ -305,8 +305,7 @@ class DistAMP(RunLoop):
         # a pipeline stage: how many ranks run the same stage.
         for part in stages or [wrapped]:
             self.scaler.register_module(part, trust_ddp_sync=cfg.trust_ddp_sync)
-        if cfg.comm_hook is not None:
-            assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+        if cfg.comm_hook is not None:  # DDP's hook, or FSDP2's reduce-scatter ("fp8")
             self.comm_hook_state = register_comm_hook(wrapped, cfg.comm_hook, scaler=self.scaler)
         if cfg.trace_nonfinite:
             self.tracer = NonFiniteTracer(model)  # the unwrapped model: its module names

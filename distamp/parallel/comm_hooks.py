@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 from torch.nn.parallel import DistributedDataParallel
 
-from distamp.parallel.fp8_comm import Fp8CommState, WireBytes, fp8_hook
+from distamp.parallel.fp8_comm import Fp8CommState, Fp8ReduceScatter, WireBytes, fp8_hook
 from distamp.parallel.scale_reads import current_loss_scale, last_step_skipped
 
 __all__ = [
@@ -261,7 +261,7 @@ def powersgd_hook(
 
 
 def register_comm_hook(
-    model: DistributedDataParallel,
+    model: torch.nn.Module,
     kind: str,
     *,
     scaler: Any = None,
@@ -271,7 +271,8 @@ def register_comm_hook(
     """Register the hook named ``kind`` (one of :data:`COMM_HOOKS`) on ``model``.
 
     Args:
-        model: the DDP module; register before its first backward.
+        model: the DDP module, or for ``"fp8"``/``"fp8-ef"`` also an FSDP2 (``fully_shard``)
+            model; register before its first backward.
         kind: one of :data:`COMM_HOOKS`.
         scaler: the loss scaler (PowerSGD and fp8's error feedback read its scale and skip
             flag).
@@ -286,10 +287,13 @@ def register_comm_hook(
     Raises:
         ValueError: unknown ``kind``, or options given for a hook that takes none.
     """
+    if kind in ("fp8", "fp8-ef") and not isinstance(model, DistributedDataParallel):
+        return _register_fsdp2(model, kind, scaler, process_group, options)
     if not isinstance(model, DistributedDataParallel):
         raise ValueError(
             f"comm_hook={kind!r} needs a DistributedDataParallel module, got "
-            f"{type(model).__name__}: comm hooks exist only for strategy='ddp'"
+            f"{type(model).__name__}: comm hooks exist only for strategy='ddp' (and 'fp8' / "
+            "'fp8-ef' for strategy='fsdp2' too)"
         )
     if kind == "powersgd":
         psgd = PowerSGDState(scaler, process_group, **options)
@@ -309,6 +313,26 @@ def register_comm_hook(
     hooks = {"fp32": fp32_hook, "fp16": fp16_hook, "bf16": bf16_hook}
     model.register_comm_hook(comp, hooks[kind])
     return comp
+
+
+def _register_fsdp2(
+    model: Any, kind: str, scaler: Any, group: Any, options: dict[str, Any]
+) -> Fp8CommState:
+    """``"fp8"``/``"fp8-ef"`` as every ``fully_shard`` module's gradient reduce-scatter."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError(
+            f"comm_hook={kind!r} needs a DDP module or an FSDP2 (fully_shard) model, got "
+            f"{type(model).__name__}"
+        )
+    ef = kind == "fp8-ef"
+    state = Fp8CommState(scaler, group, error_feedback=ef, **options)
+    for name, module in modules:
+        comm = Fp8ReduceScatter(state, name or "<root>")  # FSDP2's interface, duck-typed
+        module.set_custom_reduce_scatter(comm)  # type: ignore[arg-type]
+    return state
 
 
 def comm_state_dict(state: Any) -> dict[str, Any] | None:

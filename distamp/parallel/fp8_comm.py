@@ -29,6 +29,11 @@ overflow itself:
    the scale's units), as :func:`~distamp.parallel.comm_hooks.powersgd_hook` does, and is kept
    in :meth:`Fp8CommState.state_dict`.
 
+Under FSDP2 the same exchange replaces the gradient reduce-scatter (:class:`Fp8ReduceScatter`,
+through FSDP2's public ``set_custom_reduce_scatter``): scales agreed, then the all-to-all and
+the fp32 sum of phase 2, whose result is the rank's shard (no all-gather: FSDP2 keeps
+gradients sharded).
+
 Bytes: :attr:`Fp8CommState.sent` counts what this rank sends (payload and scales apart) by the
 ring/pairwise algorithms' standard volumes (an all-reduce of ``B`` bytes sends
 ``2 (w - 1) / w * B``, an all-to-all ``(w - 1) / w * B``, an all-gather of a ``B``-byte part
@@ -44,7 +49,7 @@ import torch.distributed as dist
 
 from distamp.parallel.scale_reads import current_loss_scale, last_step_skipped
 
-__all__ = ["FORMATS", "Fp8CommState", "WireBytes", "fp8_hook", "wire_bytes"]
+__all__ = ["FORMATS", "Fp8CommState", "Fp8ReduceScatter", "WireBytes", "fp8_hook", "wire_bytes"]
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 """The 8-bit formats the hook can send (``Fp8CommState(format=...)``)."""
@@ -242,3 +247,69 @@ def fp8_hook(state: Fp8CommState, bucket: dist.GradBucket) -> torch.futures.Futu
         return buffer
 
     return work.get_future().then(exchange)
+
+
+class Fp8ReduceScatter:
+    """FSDP2's gradient reduce-scatter in 8-bit floats: pass it to ``set_custom_reduce_scatter``
+    of each ``fully_shard`` module (:func:`~distamp.parallel.comm_hooks.register_comm_hook`
+    does). It keeps FSDP2's interface (``allocate`` and the call) without subclassing FSDP2's
+    private base class.
+
+    Args:
+        state: the shared :class:`Fp8CommState` (format, chunk, error feedback, bytes).
+        name: the module's name: its residual's key in the state.
+    """
+
+    def __init__(self, state: Fp8CommState, name: str) -> None:
+        self.state, self.name = state, name
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise ValueError(
+                f"fp8 reduce-scatter: FSDP2 asked for {op!r}; it sums or averages (set no "
+                "gradient divide factor of your own with comm_hook='fp8')"
+            )
+        state, c = self.state, self.state.chunk
+        world = dist.get_world_size(group)
+        shard = output_tensor.numel()
+        per_rank = -(-max(shard, 1) // c) * c
+        x = torch.zeros(world, per_rank, dtype=torch.float32, device=input_tensor.device)
+        x[:, :shard] = input_tensor.detach().float().view(world, shard)
+        residual = state.residual(self.name, x.reshape(-1))
+        if residual is not None:
+            x += residual.view(world, per_rank)
+        chunks = x.view(-1, c)
+        amax = torch.nan_to_num(chunks.abs().amax(1), nan=float("inf"))
+        bad = (~torch.isfinite(input_tensor)).any().float().reshape(1)
+        agreed = torch.cat([amax, bad])
+        state.sent.add("all_reduce", agreed.numel() * 4, world, scales=True)
+        state.sent.steps += int(self.name == "<root>")  # the root module reduces last
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        amax_all, nonfinite = agreed[:-1], agreed[-1] > 0
+        scale = _scales(amax_all, state.fmax / world)
+        q = (chunks * scale[:, None]).to(state.dtype)
+        if state.error_feedback:
+            lost = torch.where(nonfinite, 0.0, chunks - q.float() / scale[:, None])
+            state.residuals[self.name] = lost.reshape(-1).clone()
+        send = q.view(torch.uint8).reshape(-1)
+        recv = torch.empty_like(send)
+        state.sent.add("all_to_all", send.numel(), world)
+        dist.all_to_all_single(recv, send, group=group)
+        rank, k = dist.get_rank(group), per_rank // c
+        mine = scale[rank * k : (rank + 1) * k]
+        parts = recv.view(world, k, c).view(state.dtype).float() / mine[None, :, None]
+        total = parts.sum(0).reshape(-1)[:shard]  # fp32 accumulation
+        if op == dist.ReduceOp.AVG:
+            total = total / world
+        total = torch.where(nonfinite, float("nan"), total)
+        output_tensor.copy_(total.view_as(output_tensor).to(output_tensor.dtype))
