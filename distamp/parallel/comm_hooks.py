@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 from torch.nn.parallel import DistributedDataParallel
 
-from distamp.parallel.fp8_comm import Fp8CommState, Fp8ReduceScatter, WireBytes, fp8_hook
+from distamp.parallel.fp8_comm import Fp8CommState, Fp8ReduceScatter, GroupState, fp8_hook
 from distamp.parallel.scale_reads import current_loss_scale, last_step_skipped
 
 __all__ = [
@@ -69,23 +69,12 @@ _FP16_TARGET_LOG2 = 15.0
 _LOG2_MIN, _LOG2_MAX = -100.0, 100.0
 
 
-class CompressionState:
-    """State of the compression hooks: the group to average over.
+class CompressionState(GroupState):
+    """State of the compression hooks: the group to average over and the bytes sent.
 
     Args:
         process_group: the replicas' group; ``None`` is the default group.
     """
-
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
-        self.process_group = process_group
-        self.sent = WireBytes()  # what this rank sent, payload and scales apart
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        if group is None:
-            raise RuntimeError("comm hook called without an initialized process group")
-        return group
 
 
 def _fp16_factor(amax: torch.Tensor, world: int) -> torch.Tensor:

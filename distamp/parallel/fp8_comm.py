@@ -49,7 +49,15 @@ import torch.distributed as dist
 
 from distamp.parallel.scale_reads import current_loss_scale, last_step_skipped
 
-__all__ = ["FORMATS", "Fp8CommState", "Fp8ReduceScatter", "WireBytes", "fp8_hook", "wire_bytes"]
+__all__ = [
+    "FORMATS",
+    "Fp8CommState",
+    "Fp8ReduceScatter",
+    "GroupState",
+    "WireBytes",
+    "fp8_hook",
+    "wire_bytes",
+]
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 """The 8-bit formats the hook can send (``Fp8CommState(format=...)``)."""
@@ -95,7 +103,26 @@ class WireBytes:
         return {"payload": self.payload / n, "scales": self.scales / n}
 
 
-class Fp8CommState:
+class GroupState:
+    """What every counted hook's state holds: the group it averages over and the bytes sent.
+
+    Args:
+        process_group: the replicas' group; ``None`` is the default group.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        self.process_group = process_group
+        self.sent = WireBytes()  # what this rank sent, payload and scales apart
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        if group is None:
+            raise RuntimeError("comm hook called without an initialized process group")
+        return group
+
+
+class Fp8CommState(GroupState):
     """State of :func:`fp8_hook`.
 
     Args:
@@ -123,21 +150,14 @@ class Fp8CommState:
             raise ValueError(f"format={format!r}: use one of {sorted(FORMATS)}")
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk={chunk!r} must be a whole number of elements >= 1")
-        self.scaler, self.process_group = scaler, process_group
+        super().__init__(process_group)
+        self.scaler = scaler
         self.dtype = FORMATS[format]
         self.fmax = float(torch.finfo(self.dtype).max)
         self.chunk, self.error_feedback = chunk, bool(error_feedback)
         self.names = dict(names or {})
         self.residuals: dict[str, torch.Tensor] = {}  # parameter name -> what it lost
         self._scale_at: dict[str, torch.Tensor] = {}
-        self.sent = WireBytes()
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        if group is None:
-            raise RuntimeError("comm hook called without an initialized process group")
-        return group
 
     def name_of(self, param: torch.Tensor) -> str:
         """The parameter's name (its ``id`` when the state was given no names)."""
