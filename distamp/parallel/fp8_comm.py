@@ -206,6 +206,33 @@ def _scales(amax: torch.Tensor, target: float) -> torch.Tensor:
     return torch.where(ok, torch.exp2(exponent), torch.ones_like(amax))
 
 
+def _sum_shards(
+    state: Fp8CommState,
+    chunks: torch.Tensor,
+    amax: torch.Tensor,
+    nonfinite: torch.Tensor,
+    group: dist.ProcessGroup,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The exchange both paths share: quantise ``chunks`` (rows of ``chunk`` elements, the
+    ranks' shards one after another) with the agreed scales, all-to-all, and sum this rank's
+    shard of every rank's in fp32. Returns that sum (``[k, chunk]``) and, with error feedback,
+    what this rank's values lost (flat, zero when a bucket was non-finite)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    scale = _scales(amax, state.fmax / world)  # the sum of w values stays in range
+    q = (chunks * scale[:, None]).to(state.dtype)
+    lost = None
+    if state.error_feedback:
+        lost = torch.where(nonfinite, 0.0, chunks - q.float() / scale[:, None]).reshape(-1)
+    send = q.view(torch.uint8).reshape(-1)
+    recv = torch.empty_like(send)
+    state.sent.add("all_to_all", send.numel(), world)
+    dist.all_to_all_single(recv, send, group=group)
+    k = chunks.shape[0] // world  # chunks per shard
+    mine = scale[rank * k : (rank + 1) * k]
+    parts = recv.view(world, k, state.chunk).view(state.dtype).float() / mine[None, :, None]
+    return parts.sum(0), lost  # fp32 accumulation
+
+
 def fp8_hook(state: Fp8CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce (average) the bucket as 8-bit floats (see the module doc). Three collectives:
     the agreed chunk scales and non-finite flag (MAX), the quantised shards (all-to-all), the
@@ -240,20 +267,12 @@ def fp8_hook(state: Fp8CommState, bucket: dist.GradBucket) -> torch.futures.Futu
     def exchange(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         reduced = fut.value()[0]
         amax_all, nonfinite = reduced[:-1], reduced[-1] > 0
-        scale = _scales(amax_all, state.fmax / world)  # the sum of w values stays in range
-        q = (chunks * scale[:, None]).to(state.dtype)
-        if state.error_feedback:  # what this rank's values lost in the first quantisation
-            lost = torch.where(nonfinite, 0.0, chunks - q.float() / scale[:, None]).reshape(-1)
+        total, lost = _sum_shards(state, chunks, amax_all, nonfinite, group)
+        if lost is not None:  # what this rank's values lost in the first quantisation
             for g, name, start in zip(grads, names, starts, strict=True):
                 state.residuals[name] = lost[start : start + g.numel()].clone()
-        send = q.view(torch.uint8).reshape(-1)
-        recv = torch.empty_like(send)
-        state.sent.add("all_to_all", send.numel(), world)
-        dist.all_to_all_single(recv, send, group=group)
+        average = total / world
         k = per_rank // c  # chunks per shard
-        mine = scale[rank * k : (rank + 1) * k]
-        parts = recv.view(world, k, c).view(state.dtype).float() / mine[None, :, None]
-        average = parts.sum(0) / world  # fp32 accumulation
         scale2 = _scales(amax_all[rank * k : (rank + 1) * k], state.fmax)
         q2 = (average * scale2[:, None]).to(state.dtype).view(torch.uint8).reshape(-1)
         gathered = torch.empty(per_rank * world, dtype=torch.uint8, device=x.device)
@@ -315,20 +334,11 @@ class Fp8ReduceScatter:
         state.sent.add("all_reduce", agreed.numel() * 4, world, scales=True)
         state.sent.steps += int(self.name == "<root>")  # the root module reduces last
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        amax_all, nonfinite = agreed[:-1], agreed[-1] > 0
-        scale = _scales(amax_all, state.fmax / world)
-        q = (chunks * scale[:, None]).to(state.dtype)
-        if state.error_feedback:
-            lost = torch.where(nonfinite, 0.0, chunks - q.float() / scale[:, None])
-            state.residuals[self.name] = lost.reshape(-1).clone()
-        send = q.view(torch.uint8).reshape(-1)
-        recv = torch.empty_like(send)
-        state.sent.add("all_to_all", send.numel(), world)
-        dist.all_to_all_single(recv, send, group=group)
-        rank, k = dist.get_rank(group), per_rank // c
-        mine = scale[rank * k : (rank + 1) * k]
-        parts = recv.view(world, k, c).view(state.dtype).float() / mine[None, :, None]
-        total = parts.sum(0).reshape(-1)[:shard]  # fp32 accumulation
+        nonfinite = agreed[-1] > 0
+        summed, lost = _sum_shards(state, chunks, agreed[:-1], nonfinite, group)
+        if lost is not None:
+            state.residuals[self.name] = lost.clone()
+        total = summed.reshape(-1)[:shard]
         if op == dist.ReduceOp.AVG:
             total = total / world
         total = torch.where(nonfinite, float("nan"), total)
