@@ -125,7 +125,8 @@ def _skips(rank: int, world: int, strategy: str) -> dict[str, Any]:
         stepped = _steps(amp, rank, range(BAD_LOSS + 1))
         state = amp.comm_hook_state
         assert isinstance(state, Fp8CommState)
-        reset = all(bool((r == 0).all()) for r in state.residuals.values())
+        kept = state.residuals
+        reset = bool(kept) and all(bool((r == 0).all()) for r in kept.values())
         stepped += _steps(amp, rank, range(BAD_LOSS + 1, 12))
         out[hook] = {
             "stepped": stepped,

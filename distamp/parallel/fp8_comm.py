@@ -156,12 +156,86 @@ class Fp8CommState(GroupState):
         self.fmax = float(torch.finfo(self.dtype).max)
         self.chunk, self.error_feedback = chunk, bool(error_feedback)
         self.names = dict(names or {})
-        self.residuals: dict[str, torch.Tensor] = {}  # parameter name -> what it lost
+        self._loose: dict[str, torch.Tensor] = {}  # name -> what it lost (FSDP2, or loaded)
         self._scale_at: dict[str, torch.Tensor] = {}
+        # DDP: one flat residual per bucket (in the bucket's chunk layout), so that a step reads
+        # and writes it with a few kernels whatever the number of gradients
+        self._layouts: dict[tuple[int, ...], _BucketLayout] = {}
+        self._flat: dict[tuple[str, ...], tuple[_BucketLayout, torch.Tensor]] = {}
+        self._flat_scale_at: dict[tuple[str, ...], torch.Tensor] = {}
 
     def name_of(self, param: torch.Tensor) -> str:
         """The parameter's name (its ``id`` when the state was given no names)."""
         return self.names.get(id(param), str(id(param)))
+
+    @property
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """What each parameter (DDP) or module (FSDP2) lost in the last quantisation, by name
+        (a snapshot of views: the buckets keep theirs flat)."""
+        out = dict(self._loose)
+        for layout, err in self._flat.values():
+            out.update(layout.split(err))
+        return out
+
+    def keep(self, name: str, lost: torch.Tensor) -> None:
+        """Keep ``lost`` as ``name``'s residual for the next step (FSDP2's modules)."""
+        self._loose[name] = lost
+
+    def layout_of(self, bucket: dist.GradBucket, world: int) -> "_BucketLayout":
+        """The bucket's chunk layout, built once per set of parameters and world size."""
+        params = bucket.parameters()
+        key = (world, *map(id, params))
+        layout = self._layouts.get(key)
+        if layout is None:
+            names = tuple(self.name_of(p) for p in params)
+            numels = [g.numel() for g in bucket.gradients()]
+            layout = self._layouts[key] = _BucketLayout(names, numels, self.chunk, world)
+        return layout
+
+    def bucket_residual(self, layout: "_BucketLayout", like: torch.Tensor) -> torch.Tensor | None:
+        """The bucket's residual for this step in its chunk layout (as :meth:`residual`, once
+        per bucket). A bucket of new composition (DDP rebuilds its buckets after the first
+        step; a resumed run starts from names) is assembled from the names' residuals once."""
+        if not self.error_feedback:
+            return None
+        key = layout.names
+        kept = self._flat.get(key)
+        if kept is None:
+            self._absorb(set(key))
+            err = torch.zeros_like(like)
+            for name, part in zip(key, layout.views(err), strict=True):
+                repaired = self.residual(name, part)
+                assert repaired is not None
+                part.copy_(repaired)
+                self._loose.pop(name, None)
+                self._scale_at.pop(name, None)
+            scale = current_loss_scale(self.scaler)
+            if scale is not None:
+                self._flat_scale_at[key] = scale.detach().clone()
+            return err
+        err = kept[1]
+        skipped = last_step_skipped(self.scaler, like.device)
+        scale = current_loss_scale(self.scaler)
+        if scale is not None and key in self._flat_scale_at:
+            err = err * (scale.to(like.device) / self._flat_scale_at[key].to(like.device))
+        if scale is not None:
+            self._flat_scale_at[key] = scale.detach().clone()
+        return torch.where(skipped, torch.zeros_like(err), err)
+
+    def keep_bucket(self, layout: "_BucketLayout", lost: torch.Tensor) -> None:
+        """Keep what the bucket's values lost (its chunk layout) for the next step."""
+        self._flat[layout.names] = (layout, lost)
+
+    def _absorb(self, names: set[str]) -> None:
+        """Split the flat residuals of buckets that share a parameter with ``names`` back into
+        names (a bucket of the old composition is gone)."""
+        for key in [k for k in self._flat if names.intersection(k)]:
+            layout, err = self._flat.pop(key)
+            scale = self._flat_scale_at.pop(key, None)
+            for name, part in layout.split(err).items():
+                self._loose[name] = part
+                if scale is not None:
+                    self._scale_at[name] = scale
 
     def residual(self, index: str, like: torch.Tensor) -> torch.Tensor | None:
         """Parameter ``index``'s residual for this step, repaired on device (no host sync):
@@ -172,6 +246,7 @@ class Fp8CommState(GroupState):
         err = self.residuals.get(index)
         if err is None or err.shape != like.shape:
             err = torch.zeros_like(like)
+        err = err.to(like.device)
         skipped = last_step_skipped(self.scaler, like.device)
         scale = current_loss_scale(self.scaler)
         if scale is not None and index in self._scale_at:
@@ -182,9 +257,12 @@ class Fp8CommState(GroupState):
 
     def state_dict(self) -> dict[str, Any]:
         """The residuals and the scale each was written at (for an exact resume)."""
+        scale_at = dict(self._scale_at)
+        for key, scale in self._flat_scale_at.items():
+            scale_at.update(dict.fromkeys(key, scale))
         return {
-            "residuals": {k: v.detach().cpu() for k, v in self.residuals.items()},
-            "scale_at": {k: v.detach().cpu() for k, v in self._scale_at.items()},
+            "residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()},
+            "scale_at": {k: v.detach().cpu() for k, v in scale_at.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -194,8 +272,30 @@ class Fp8CommState(GroupState):
             for k, v in state[key].items():
                 if not isinstance(k, str) or not isinstance(v, torch.Tensor):
                     raise ValueError(f"fp8 comm state {key}[{k!r}]: a parameter name and a tensor")
-        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self._loose = {k: v.clone() for k, v in state["residuals"].items()}
         self._scale_at = {k: v.clone() for k, v in state["scale_at"].items()}
+        self._flat, self._flat_scale_at = {}, {}
+
+
+class _BucketLayout:
+    """Where a DDP bucket's gradients sit once each is padded to whole chunks and the bucket to
+    whole shards of chunks (chunks per gradient: the result must not depend on how DDP orders a
+    bucket). Its gradients are consecutive views of the bucket's flat buffer, in order."""
+
+    def __init__(self, names: tuple[str, ...], numels: list[int], chunk: int, world: int):
+        self.names, self.numels = names, numels
+        self.sizes = [-(-max(n, 1) // chunk) * chunk for n in numels]
+        self.per_rank = -(-sum(self.sizes) // (world * chunk)) * chunk
+        self.total = self.per_rank * world
+        self._tail = self.total - sum(self.sizes)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each gradient's part of ``flat`` (a tensor of this layout), in bucket order."""
+        parts = flat.split([*self.sizes, self._tail])
+        return [p[:n] for p, n in zip(parts, self.numels, strict=False)]
+
+    def split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.views(flat), strict=True))
 
 
 def _scales(amax: torch.Tensor, target: float) -> torch.Tensor:
@@ -242,19 +342,13 @@ def fp8_hook(state: Fp8CommState, bucket: dist.GradBucket) -> torch.futures.Futu
     rank = dist.get_rank(group)
     buffer = bucket.buffer()
     c = state.chunk
-    grads, params = bucket.gradients(), bucket.parameters()
-    names = [state.name_of(p) for p in params]
-    # each gradient padded to whole chunks, then the bucket to whole shards of chunks
-    sizes = [-(-max(g.numel(), 1) // c) * c for g in grads]
-    per_rank = -(-sum(sizes) // (world * c)) * c
-    x = torch.zeros(per_rank * world, dtype=torch.float32, device=buffer.device)
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    for g, name, start in zip(grads, names, starts, strict=True):
-        part = x[start : start + g.numel()]
-        part.copy_(g.detach().reshape(-1))
-        residual = state.residual(name, part)
-        if residual is not None:
-            part += residual
+    layout = state.layout_of(bucket, world)
+    x = torch.zeros(layout.total, dtype=torch.float32, device=buffer.device)
+    grads = buffer.split(layout.numels)  # the bucket's gradients: consecutive, in order
+    torch._foreach_copy_(layout.views(x), list(grads))
+    residual = state.bucket_residual(layout, x)
+    if residual is not None:
+        x += residual
     chunks = x.view(-1, c)
     amax = torch.nan_to_num(chunks.abs().amax(1), nan=float("inf"))
     bad = (~torch.isfinite(buffer)).any().float().reshape(1)
@@ -269,20 +363,17 @@ def fp8_hook(state: Fp8CommState, bucket: dist.GradBucket) -> torch.futures.Futu
         amax_all, nonfinite = reduced[:-1], reduced[-1] > 0
         total, lost = _sum_shards(state, chunks, amax_all, nonfinite, group)
         if lost is not None:  # what this rank's values lost in the first quantisation
-            for g, name, start in zip(grads, names, starts, strict=True):
-                state.residuals[name] = lost[start : start + g.numel()].clone()
-        average = total / world
-        k = per_rank // c  # chunks per shard
-        scale2 = _scales(amax_all[rank * k : (rank + 1) * k], state.fmax)
-        q2 = (average * scale2[:, None]).to(state.dtype).view(torch.uint8).reshape(-1)
-        gathered = torch.empty(per_rank * world, dtype=torch.uint8, device=x.device)
+            state.keep_bucket(layout, lost)
+        k = layout.per_rank // c  # chunks per shard
+        scale2_all = _scales(amax_all, state.fmax)
+        scale2 = scale2_all[rank * k : (rank + 1) * k]
+        q2 = (total * (scale2 / world)[:, None]).to(state.dtype).view(torch.uint8).reshape(-1)
+        gathered = torch.empty(layout.total, dtype=torch.uint8, device=x.device)
         state.sent.add("all_gather", q2.numel(), world)
         _all_gather(gathered, q2, group=group)
-        scale2_all = _scales(amax_all, state.fmax)
         out = gathered.view(state.dtype).float().view(-1, c) / scale2_all[:, None]
         out = torch.where(nonfinite, float("nan"), out).reshape(-1)
-        for g, start in zip(grads, starts, strict=True):
-            g.copy_(out[start : start + g.numel()].view_as(g).to(g.dtype))
+        torch._foreach_copy_(list(grads), layout.views(out))
         return buffer
 
     return work.get_future().then(exchange)
@@ -337,7 +428,7 @@ class Fp8ReduceScatter:
         nonfinite = agreed[-1] > 0
         summed, lost = _sum_shards(state, chunks, agreed[:-1], nonfinite, group)
         if lost is not None:
-            state.residuals[self.name] = lost.clone()
+            state.keep(self.name, lost.clone())
         total = summed.reshape(-1)[:shard]
         if op == dist.ReduceOp.AVG:
             total = total / world
