@@ -59,6 +59,7 @@ from distamp.parallel.strategies import (
     register_comm_hook,
     resolve_strategy,
 )
+from distamp.parallel.traffic import grad_traffic
 from distamp.precision.adaptive_run import AdaptiveRun, refuse_under_pipeline
 from distamp.precision.fp8 import Float8Training
 from distamp.precision.patterns import gather_modules, job_modules
@@ -317,7 +318,8 @@ class DistAMP(RunLoop):
                 stage=stages[0].stage_index if stages else None,
             )  # fmt: skip
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
-        self.metrics = Metrics(self.device)
+        traffic = grad_traffic(wrapped, self.strategy, self.comm_hook_state)  # gradient bytes
+        self.metrics = Metrics(self.device, traffic)
         self.quorum = None if ft is None else QuorumSchedule(ft)
         return wrapped, optimizer
 
@@ -477,9 +479,8 @@ class DistAMP(RunLoop):
     def close(self) -> None:
         """Finish the job cleanly on every rank (collective; idempotent; no training after).
 
-        A barrier; the model, optimizer and hooks released, so DDP's reducer and its group die
-        now, in order, not at interpreter shutdown (where gloo's threads can abort); the group
-        destroyed if :meth:`setup` created it."""
+        A barrier; model, optimizer and hooks released (DDP's reducer and group die now, in
+        order, not at exit where gloo's threads can abort); the group destroyed if setup made it."""
         if is_distributed():
             dist.barrier()
         if self.tracer is not None:

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from distamp.cluster import is_distributed
 from distamp.observe.writers import ProgressPrinter  # re-exported: the name's old home
+
+if TYPE_CHECKING:
+    from distamp.parallel.traffic import Traffic
 
 __all__ = ["AMPMetrics", "Metrics", "ProgressPrinter", "StepResult", "WindowStats"]
 
@@ -50,6 +53,9 @@ class WindowStats:
         overflow: the one-line overflow report when the window skipped a step (the engine
             fills it in from ``scaler.overflow_report()``), else ``None``.
         overflow_rate: skipped steps / steps in the window (see :meth:`Metrics.collect`).
+        grad_bytes: bytes this rank sent for gradients per step in the window (the payload:
+            :mod:`distamp.parallel.traffic`); ``None`` where the path is not counted.
+        grad_scale_bytes: the scales sent alongside (8-bit hooks), per step; ``None`` likewise.
     """
 
     step: int
@@ -62,6 +68,8 @@ class WindowStats:
     stop: bool
     overflow: str | None = None
     overflow_rate: float = 0.0
+    grad_bytes: float | None = None
+    grad_scale_bytes: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Every field by name, as the writers take it (no host sync: all are Python values)."""
@@ -124,10 +132,14 @@ class Metrics:
 
     Args:
         device: where the counters live (the device of the losses and of the scaler's flags).
+        traffic: where this rank's gradient bytes are counted
+            (:func:`distamp.parallel.traffic.grad_traffic`); ``None``: not reported.
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", traffic: Traffic | None = None) -> None:
         self.device = torch.device(device)
+        self._traffic = traffic
+        self._traffic_base = (0, 0)  # payload and scale bytes at the window's start
         # fp32, not fp64: some backends (MPS) have no fp64, and window sums need no more.
         self._zero = torch.zeros((), dtype=torch.float32, device=self.device)
         self._step_loss = self._zero.clone()
@@ -235,6 +247,7 @@ class Metrics:
         # The skip flags stay out of the sum (they are this rank's, like its scaler's counter)
         # but ride along in the same read.
         host = torch.cat([packed, self._flagged.reshape(1)]).tolist()  # host sync: logging
+        grad_bytes, grad_scale_bytes = self._window_bytes()
         loss_sum, micro_sum, token_sum, stops, last_sum, norm_sum, flagged = host
         enabled = _enabled(scaler)
         # torch's GradScaler has no skip counter: it then counts as never skipping.
@@ -249,9 +262,21 @@ class Metrics:
             grad_norm=norm_sum / world if self._norm is not None else None,
             stop=stops > 0,
             overflow_rate=self._overflow_rate(skipped, round(flagged)),
+            grad_bytes=grad_bytes,
+            grad_scale_bytes=grad_scale_bytes,
         )
         self._reset_window()
         return stats
+
+    def _window_bytes(self) -> tuple[float | None, float | None]:
+        """This rank's gradient bytes per step in the closing window, payload and scales (host
+        counts: no sync); ``None`` where the path is not counted."""
+        if self._traffic is None:
+            return None, None
+        payload, scales = self._traffic.totals(self._steps_total)
+        base, self._traffic_base = self._traffic_base, (payload, scales)
+        steps = max(self._steps, 1)
+        return (payload - base[0]) / steps, (scales - base[1]) / steps
 
     def _overflow_rate(self, skipped: int, flagged: int) -> float:
         """Skipped steps / steps in the closing window (the rule is in :meth:`collect`)."""

@@ -48,15 +48,14 @@ import torch
 import torch.distributed as dist
 
 from distamp.parallel.scale_reads import current_loss_scale, last_step_skipped
+from distamp.parallel.traffic import WireBytes
 
 __all__ = [
     "FORMATS",
     "Fp8CommState",
     "Fp8ReduceScatter",
     "GroupState",
-    "WireBytes",
     "fp8_hook",
-    "wire_bytes",
 ]
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -65,42 +64,6 @@ FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _LOG2_MIN, _LOG2_MAX = -100.0, 100.0  # the scale and its reciprocal stay fp32 normal numbers
 # all_gather_single is the name since torch 2.13 (all_gather_into_tensor, deprecated there).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def wire_bytes(kind: str, nbytes: int, world: int) -> int:
-    """Bytes one rank sends for a collective handed ``nbytes`` (its input), by the standard
-    ring/pairwise volumes: all-reduce ``2 (w-1)/w B``, all-to-all ``(w-1)/w B``, all-gather of
-    a ``B``-byte part ``(w-1) B``."""
-    if world <= 1:
-        return 0
-    if kind == "all_reduce":
-        return 2 * (world - 1) * nbytes // world
-    if kind == "all_to_all":
-        return (world - 1) * nbytes // world
-    if kind == "all_gather":
-        return (world - 1) * nbytes
-    raise ValueError(f"wire_bytes: unknown collective {kind!r}")
-
-
-class WireBytes:
-    """What a rank sent for gradients, payload and scales apart (host integers, no sync)."""
-
-    def __init__(self) -> None:
-        self.payload = 0
-        self.scales = 0
-        self.steps = 0
-
-    def add(self, kind: str, nbytes: int, world: int, *, scales: bool = False) -> None:
-        sent = wire_bytes(kind, nbytes, world)
-        if scales:
-            self.scales += sent
-        else:
-            self.payload += sent
-
-    def per_step(self) -> dict[str, float]:
-        """Bytes sent per step since the start (``steps`` counted by the owner)."""
-        n = max(self.steps, 1)
-        return {"payload": self.payload / n, "scales": self.scales / n}
 
 
 class GroupState:
