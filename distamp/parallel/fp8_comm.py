@@ -52,8 +52,10 @@ from distamp.parallel.traffic import WireBytes
 
 __all__ = [
     "FORMATS",
+    "BucketExchange",
     "Fp8CommState",
     "Fp8ReduceScatter",
+    "GroupComm",
     "GroupState",
     "fp8_hook",
 ]
@@ -269,18 +271,40 @@ def _scales(amax: torch.Tensor, target: float) -> torch.Tensor:
     return torch.where(ok, torch.exp2(exponent), torch.ones_like(amax))
 
 
+class GroupComm:
+    """The exchange's collectives over a ``torch.distributed`` group (DDP's and FSDP2's path).
+    Another transport (a torchft Manager's group) provides the same members.
+
+    Attributes:
+        world: ranks in the exchange (the sum of ``world`` quantised values must not overflow).
+        rank: this rank's index: which shard of every bucket it sums.
+        divisor: what the sum is divided by for the average.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.world = self.divisor = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> None:
+        dist.all_to_all_single(recv, send, group=self.group)
+
+    def all_gather(self, out: torch.Tensor, part: torch.Tensor) -> None:
+        _all_gather(out, part, group=self.group)
+
+
 def _sum_shards(
     state: Fp8CommState,
     chunks: torch.Tensor,
     amax: torch.Tensor,
     nonfinite: torch.Tensor,
-    group: dist.ProcessGroup,
+    comm: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The exchange both paths share: quantise ``chunks`` (rows of ``chunk`` elements, the
     ranks' shards one after another) with the agreed scales, all-to-all, and sum this rank's
     shard of every rank's in fp32. Returns that sum (``[k, chunk]``) and, with error feedback,
     what this rank's values lost (flat, zero when a bucket was non-finite)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = comm.world, comm.rank
     scale = _scales(amax, state.fmax / world)  # the sum of w values stays in range
     q = (chunks * scale[:, None]).to(state.dtype)
     lost = None
@@ -289,57 +313,76 @@ def _sum_shards(
     send = q.view(torch.uint8).reshape(-1)
     recv = torch.empty_like(send)
     state.sent.add("all_to_all", send.numel(), world)
-    dist.all_to_all_single(recv, send, group=group)
+    comm.all_to_all(recv, send)
     k = chunks.shape[0] // world  # chunks per shard
     mine = scale[rank * k : (rank + 1) * k]
     parts = recv.view(world, k, state.chunk).view(state.dtype).float() / mine[None, :, None]
     return parts.sum(0), lost  # fp32 accumulation
 
 
+class BucketExchange:
+    """One DDP bucket's exchange, in the two halves the transports share: :meth:`agreed` (the
+    vector to MAX-reduce: every chunk's amax and the raw bucket's non-finite flag) and
+    :meth:`finish` (the shards' sum, the average all-gathered, written into the bucket).
+
+    Args:
+        state: the hook's state (format, chunk, residuals, bytes).
+        bucket: DDP's bucket.
+        world: ranks in the exchange.
+        contributes: ``False`` for a rank whose values must count as zeros (a torchft replica
+            healing this step: it takes part in the collectives with nothing to add).
+    """
+
+    def __init__(
+        self, state: Fp8CommState, bucket: dist.GradBucket, world: int, contributes: bool = True
+    ) -> None:
+        self.state, self.buffer = state, bucket.buffer()
+        self.layout = layout = state.layout_of(bucket, world)
+        x = torch.zeros(layout.total, dtype=torch.float32, device=self.buffer.device)
+        self.grads = list(self.buffer.split(layout.numels))  # consecutive, in bucket order
+        if contributes:
+            torch._foreach_copy_(layout.views(x), self.grads)
+            residual = state.bucket_residual(layout, x)
+            if residual is not None:
+                x += residual
+        self.chunks = x.view(-1, state.chunk)
+        amax = torch.nan_to_num(self.chunks.abs().amax(1), nan=float("inf"))
+        bad = (~torch.isfinite(self.buffer)).any().float().reshape(1) if contributes else None
+        self.agreed = torch.cat([amax, bad if bad is not None else amax.new_zeros(1)])
+        self.contributes = contributes
+        state.sent.add("all_reduce", self.agreed.numel() * 4, world, scales=True)
+        state.sent.steps += int(bucket.is_last())
+
+    def finish(self, reduced: torch.Tensor, comm: Any) -> torch.Tensor:
+        """Given the MAX-reduced :attr:`agreed`: sum this rank's shard of every rank's
+        quantised bucket, all-gather the quantised average, write it into the bucket."""
+        state, layout, c = self.state, self.layout, self.state.chunk
+        amax_all, nonfinite = reduced[:-1], reduced[-1] > 0
+        total, lost = _sum_shards(state, self.chunks, amax_all, nonfinite, comm)
+        if lost is not None and self.contributes:  # what this rank's values lost
+            state.keep_bucket(layout, lost)
+        k = layout.per_rank // c  # chunks per shard
+        scale2_all = _scales(amax_all, state.fmax)
+        scale2 = scale2_all[comm.rank * k : (comm.rank + 1) * k]
+        q2 = (total * (scale2 / comm.divisor)[:, None]).to(state.dtype).view(torch.uint8)
+        gathered = torch.empty(layout.total, dtype=torch.uint8, device=self.buffer.device)
+        state.sent.add("all_gather", q2.numel(), comm.world)
+        comm.all_gather(gathered, q2.reshape(-1))
+        out = gathered.view(state.dtype).float().view(-1, c) / scale2_all[:, None]
+        out = torch.where(nonfinite, float("nan"), out).reshape(-1)
+        torch._foreach_copy_(self.grads, layout.views(out))
+        return self.buffer
+
+
 def fp8_hook(state: Fp8CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce (average) the bucket as 8-bit floats (see the module doc). Three collectives:
     the agreed chunk scales and non-finite flag (MAX), the quantised shards (all-to-all), the
     quantised averages (all-gather). No host sync."""
-    group = state.group
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    buffer = bucket.buffer()
-    c = state.chunk
-    layout = state.layout_of(bucket, world)
-    x = torch.zeros(layout.total, dtype=torch.float32, device=buffer.device)
-    grads = buffer.split(layout.numels)  # the bucket's gradients: consecutive, in order
-    torch._foreach_copy_(layout.views(x), list(grads))
-    residual = state.bucket_residual(layout, x)
-    if residual is not None:
-        x += residual
-    chunks = x.view(-1, c)
-    amax = torch.nan_to_num(chunks.abs().amax(1), nan=float("inf"))
-    bad = (~torch.isfinite(buffer)).any().float().reshape(1)
-    agreed = torch.cat([amax, bad])
-    state.sent.add("all_reduce", agreed.numel() * 4, world, scales=True)
-    state.sent.steps += int(bucket.is_last())
-    work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    comm = GroupComm(state.group)
+    exchange = BucketExchange(state, bucket, comm.world)
+    work = dist.all_reduce(exchange.agreed, op=dist.ReduceOp.MAX, group=comm.group, async_op=True)
     assert work is not None
-
-    def exchange(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        reduced = fut.value()[0]
-        amax_all, nonfinite = reduced[:-1], reduced[-1] > 0
-        total, lost = _sum_shards(state, chunks, amax_all, nonfinite, group)
-        if lost is not None:  # what this rank's values lost in the first quantisation
-            state.keep_bucket(layout, lost)
-        k = layout.per_rank // c  # chunks per shard
-        scale2_all = _scales(amax_all, state.fmax)
-        scale2 = scale2_all[rank * k : (rank + 1) * k]
-        q2 = (total * (scale2 / world)[:, None]).to(state.dtype).view(torch.uint8).reshape(-1)
-        gathered = torch.empty(layout.total, dtype=torch.uint8, device=x.device)
-        state.sent.add("all_gather", q2.numel(), world)
-        _all_gather(gathered, q2, group=group)
-        out = gathered.view(state.dtype).float().view(-1, c) / scale2_all[:, None]
-        out = torch.where(nonfinite, float("nan"), out).reshape(-1)
-        torch._foreach_copy_(list(grads), layout.views(out))
-        return buffer
-
-    return work.get_future().then(exchange)
+    return work.get_future().then(lambda fut: exchange.finish(fut.value()[0], comm))
 
 
 class Fp8ReduceScatter:
@@ -389,7 +432,7 @@ class Fp8ReduceScatter:
         state.sent.steps += int(self.name == "<root>")  # the root module reduces last
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         nonfinite = agreed[-1] > 0
-        summed, lost = _sum_shards(state, chunks, agreed[:-1], nonfinite, group)
+        summed, lost = _sum_shards(state, chunks, agreed[:-1], nonfinite, GroupComm(group))
         if lost is not None:
             state.keep(self.name, lost.clone())
         total = summed.reshape(-1)[:shard]
