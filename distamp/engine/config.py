@@ -181,10 +181,11 @@ class AMPConfig:
                 "with torchft's DDP only; shard inside the replica group yourself (fully_shard) "
                 "and pass the model with strategy='auto'"
             )
-        if self.comm_hook is not None:
+        if self.comm_hook not in (None, "fp8", "fp8-ef"):
             raise ValueError(
                 f"ft_manager with comm_hook={self.comm_hook!r}: torchft's DDP all-reduces the "
-                "gradients through the Manager with its own hook; use comm_hook=None"
+                "gradients through the Manager with its own hook; use comm_hook=None, or 'fp8' "
+                "/ 'fp8-ef' (8-bit gradients across the replicas)"
             )
         if self.trust_ddp_sync:
             raise ValueError(
@@ -396,6 +397,11 @@ def check_ft_setup(cfg: AMPConfig, model: nn.Module, *, parallelised: bool, stag
             "ft_manager with a torch DistributedDataParallel model: its gradients stay inside "
             "the replica group; pass the bare model (the engine wraps it in torchft's DDP) or "
             "one wrapped with torchft.DistributedDataParallel"
+        )
+    if (parallelised or cfg.strategy == "none") and cfg.comm_hook is not None:
+        raise ValueError(
+            f"ft_manager with comm_hook={cfg.comm_hook!r} and a model wrapped or sharded by "
+            "hand: the hook goes in the torchft DDP the engine builds; pass the bare model"
         )
     if parallelised or cfg.strategy == "none":
         return "none"

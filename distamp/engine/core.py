@@ -274,7 +274,7 @@ class DistAMP(RunLoop):
             if cfg.policy is not None:
                 cfg.policy.apply(model)  # before wrapping: the hooks stay on FSDP's units
         wrapped = (
-            wrap_replicas(model, ft)  # torchft's DDP: gradients averaged across replicas
+            wrap_replicas(model, ft, cfg.comm_hook)  # torchft's DDP: averaged across replicas
             if ft is not None and self.strategy == "ddp"
             else apply_strategy(
                 model,

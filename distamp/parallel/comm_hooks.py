@@ -42,6 +42,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 from torch.nn.parallel import DistributedDataParallel
 
 from distamp.parallel.fp8_comm import Fp8CommState, Fp8ReduceScatter, GroupState, fp8_hook
+from distamp.parallel.fp8_replicas import ReplicaFp8
 from distamp.parallel.scale_reads import current_loss_scale, last_step_skipped
 
 __all__ = [
@@ -276,6 +277,10 @@ def register_comm_hook(
     Raises:
         ValueError: unknown ``kind``, or options given for a hook that takes none.
     """
+    replicas = getattr(model, "fp8_state", None)  # torchft's DDP built by wrap_replicas
+    if isinstance(replicas, ReplicaFp8) and kind in ("fp8", "fp8-ef"):
+        replicas.fp8.scaler = scaler  # its hook is in place: error feedback reads the scaler
+        return replicas.fp8
     if kind in ("fp8", "fp8-ef") and not isinstance(model, DistributedDataParallel):
         return _register_fsdp2(model, kind, scaler, process_group, options)
     if not isinstance(model, DistributedDataParallel):

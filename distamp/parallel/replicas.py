@@ -72,10 +72,17 @@ def is_ft_ddp(obj: Any) -> bool:
     return isinstance(ddp_type, type) and isinstance(obj, ddp_type)
 
 
-def wrap_replicas(model: torch.nn.Module, manager: Any) -> torch.nn.Module:
+def wrap_replicas(
+    model: torch.nn.Module, manager: Any, comm_hook: str | None = None
+) -> torch.nn.Module:
     """``model`` in torchft's ``DistributedDataParallel``: its gradients averaged across the
-    replicas of ``manager``'s quorum (the engine's wrapping for ``ft_manager=``)."""
+    replicas of ``manager``'s quorum (the engine's wrapping for ``ft_manager=``); in 8-bit
+    floats with ``comm_hook="fp8"`` or ``"fp8-ef"`` (:mod:`distamp.parallel.fp8_replicas`)."""
     check_torchft_version()
+    if comm_hook in ("fp8", "fp8-ef"):
+        from distamp.parallel.fp8_replicas import replica_fp8_ddp
+
+        return replica_fp8_ddp(manager, model, comm_hook)
     from torchft import DistributedDataParallel
 
     return DistributedDataParallel(manager, model)

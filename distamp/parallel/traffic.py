@@ -11,8 +11,9 @@ and a user reads the ratio off two runs' logs.
   all-reduce across replicas), send the same volume every step, computed once from the gradient
   sizes (:class:`PlainTraffic`): DDP all-reduces every bucket every step in the gradients'
   dtype; FSDP2 reduce-scatters each parameter padded to whole shards, in fp32 (distamp's reduce
-  dtype). Other layouts (tensor-parallel dimensions, FSDP1) and PowerSGD (whose ranks choose
-  which tensors to compress) report ``None``.
+  dtype). Other layouts (tensor-parallel dimensions, FSDP1), torchft's own all-reduce across
+  replicas (whose quorum changes from step to step; ``comm_hook="fp8"`` there is counted) and
+  PowerSGD (whose ranks choose which tensors to compress) report ``None``.
 
 Volumes are the ring/pairwise algorithms' standard ones (:func:`wire_bytes`).
 """
@@ -23,6 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from distamp.parallel.replicas import is_ft_ddp
 
 __all__ = ["PlainTraffic", "Traffic", "WireBytes", "grad_traffic", "wire_bytes"]
 
@@ -94,6 +97,8 @@ def grad_traffic(model: torch.nn.Module, strategy: str, hook_state: Any) -> Traf
     if hook_state is not None:  # PowerSGD: its ranks decide what they compress
         return None
     params = [p for p in model.parameters() if p.requires_grad]
+    if strategy == "ddp" and is_ft_ddp(model):  # torchft's own hook: the quorum changes
+        return None
     if strategy == "ddp":
         group = getattr(model, "process_group", None)
         world = torch.distributed.get_world_size(group)

@@ -61,6 +61,13 @@ def main() -> None:
     ap.add_argument("--pause-at", type=int, default=-1)
     ap.add_argument("--pause-until", default="", help="file whose existence ends the pause")
     ap.add_argument("--ready", default="", help="file to create once the Manager is up")
+    ap.add_argument("--comm-hook", default=None, help="with --engine: DistAMP's comm_hook")
+    ap.add_argument("--inf-loss-at", type=int, nargs="*", default=[],
+                    help="with --engine: an inf in this replica's loss (inside its gradient "
+                    "buckets, before the exchange) at those steps")  # fmt: skip
+    ap.add_argument("--gpt", action="store_true",
+                    help="with --engine: the main job's GPT in fp32 on this replica's shard of "
+                    "the text; the held-out loss at the end")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -68,8 +75,15 @@ def main() -> None:
 
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, 1))
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if args.gpt:
+        from launch.model import GPT, GPTConfig
+
+        model = GPT(GPTConfig())
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        model = nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(),
+                              nn.Linear(args.width, 1))  # fmt: skip
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def load_state(sd: dict) -> None:
         model.load_state_dict(sd["model"])
@@ -164,10 +178,17 @@ def _engine_loop(args: argparse.Namespace, manager, model, inner, ready_at: floa
     """The same training through the engine: DistAMP wraps the model in torchft's DDP, builds
     nothing else (the scaler is passed for its test settings), starts each step's quorum and
     votes in ``step()``."""
-    scaler = distamp.DistributedGradScaler("cpu", init_scale=2.0**10, growth_interval=3,
-                                           process_group=manager)  # fmt: skip
-    amp = distamp.DistAMP("fp16", ft_manager=manager, scaler=scaler, device="cpu")
+    scaler = None  # fp32: the engine builds its check-only scaler on the Manager
+    if not args.gpt:  # fp16 matmuls are slow on CPUs: the main job's model runs in fp32
+        scaler = distamp.DistributedGradScaler("cpu", init_scale=2.0**10, growth_interval=3,
+                                               process_group=manager)  # fmt: skip
+    precision = "fp32" if args.gpt else "fp16"
+    amp = distamp.DistAMP(precision, ft_manager=manager, scaler=scaler,
+                          device="cpu", comm_hook=args.comm_hook,
+                          max_grad_norm=1.0 if args.gpt else None)  # fmt: skip
     ddp, _ = amp.setup(model, inner)
+    batch = _gpt_batches(args.replica) if args.gpt else None
+    residuals_reset: list[bool] = []
     if args.join_first:
         with amp.autocast():  # the first step's quorum (later calls in the step ask nothing)
             pass
@@ -189,14 +210,25 @@ def _engine_loop(args: argparse.Namespace, manager, model, inner, ready_at: floa
             time.sleep(1.0)
         if step == args.exit_at:
             os._exit(3)
-        g = torch.Generator().manual_seed(1000 * args.replica + step)
-        x = torch.randn(16, args.width, generator=g)
-        y = torch.randn(16, 1, generator=g)
-        with amp.autocast():
-            loss = nn.functional.mse_loss(ddp(x).float(), y)
+        if batch is not None:
+            from launch.model import lm_loss
+
+            with amp.autocast():
+                loss = lm_loss(ddp, batch(step))
+        else:
+            g = torch.Generator().manual_seed(1000 * args.replica + step)
+            x = torch.randn(16, args.width, generator=g)
+            y = torch.randn(16, 1, generator=g)
+            with amp.autocast():
+                loss = nn.functional.mse_loss(ddp(x).float(), y)
+        if step in args.inf_loss_at:
+            loss = loss * float("inf")
         amp.backward(loss)
         if step in args.inf_at:
             next(model.parameters()).grad[0, 0] = float("inf")
+        if step in args.inf_loss_at and getattr(amp.comm_hook_state, "error_feedback", False):
+            kept = amp.comm_hook_state.residuals  # written by this step's exchange
+            residuals_reset.append(bool(kept) and all(bool((r == 0).all()) for r in kept.values()))
         result = amp.step()
         log.append({"step": step, "skipped": not result.stepped, "scale": result.loss_scale,
                     "committed": manager.current_step() > step,
@@ -204,15 +236,34 @@ def _engine_loop(args: argparse.Namespace, manager, model, inner, ready_at: floa
         step_times.append(time.perf_counter() - t0)
         if first_commit is None and manager.current_step() > step:
             first_commit = time.perf_counter() - ready_at
-    params = [p.detach().tolist() for p in model.parameters()]
+    params = [p.detach().flatten().tolist() for p in model.parameters()]
+    stats = amp.metrics.collect(scaler=amp.scaler)  # the run's gradient bytes per step
     out = {"log": log, "params": params, "step_times": step_times, "strategy": amp.strategy,
            "wrapper": type(ddp).__module__ + "." + type(ddp).__name__,
-           "elapsed": time.perf_counter() - start, "first_commit_s": first_commit}  # fmt: skip
+           "elapsed": time.perf_counter() - start, "first_commit_s": first_commit,
+           "grad_bytes": stats.grad_bytes, "grad_scale_bytes": stats.grad_scale_bytes,
+           "residuals_reset": residuals_reset}  # fmt: skip
+    if batch is not None:
+        from launch.model import lm_loss
+
+        with torch.no_grad():
+            out["held_out"] = float(lm_loss(model, _gpt_batches(0, held_out=True)(0)))
     with open(args.out, "w") as f:
         json.dump(out, f)
     manager.shutdown(wait=False)
     sys.stdout.flush()
     os._exit(0)
+
+
+def _gpt_batches(replica: int, held_out: bool = False):  # a batch(k) function
+    """The main job's text: this replica's shard (2 replicas), or the held-out batch."""
+    from launch.model import DATA_FILE, GPTConfig, ShardedText, load_text
+
+    cfg, text = GPTConfig(), load_text(DATA_FILE)
+    size, rank, world, seed = (64, 0, 1, 99) if held_out else (16, replica, 2, 0)
+    data = ShardedText(text, context=cfg.context, batch_size=size, rank=rank, world_size=world,
+                       seed=seed, device=torch.device("cpu"))  # fmt: skip
+    return data.batch
 
 
 if __name__ == "__main__":
