@@ -7,8 +7,9 @@ overflow itself:
 1. **Scales, agreed before quantising.** Each gradient of the bucket is cut into chunks of
    ``chunk`` elements (per gradient, so that the result does not depend on how DDP orders the
    bucket: it orders its first step's buckets differently from the later ones'); one MAX
-   all-reduce agrees on every chunk's largest magnitude, and on whether any rank's raw bucket
-   holds an inf/NaN (one float more). Each chunk's scale is the power of two that puts
+   all-reduce agrees on every chunk's largest magnitude (a NaN counts as an inf, so the same
+   vector says whether any rank's raw bucket holds an inf/NaN). Each chunk's scale is the power
+   of two that puts
    ``world * amax`` at or under the format's maximum, so a sum of every rank's quantised values
    cannot overflow and a chunk of small gradients keeps its precision (powers of two scale
    exactly).
@@ -19,8 +20,9 @@ overflow itself:
    ``2 (w - 1) / w`` bucket-bytes, as a ring all-reduce of fp32 sends ``2 (w - 1) / w`` times
    four: a quarter, plus the scales.
 3. **An overflow stays an overflow.** torch's cast to ``float8_e4m3fn`` saturates (inf and 1000
-   both become 448), so the raw buckets' non-finite flag, agreed in step 1, decides: when any
-   rank's bucket holds an inf/NaN, every rank's reduced bucket is NaN, the scaler sees it on
+   both become 448), so the agreed amax of step 1 decides: when any rank's bucket holds an
+   inf/NaN (an inf in the agreed vector), every rank's reduced bucket is NaN (its shard sum is
+   divided by NaN scales: no pass of its own), the scaler sees it on
    every rank and the step is skipped everywhere (the scaler's own flag stays the step's one
    agreed decision).
 4. **Error feedback** (``"fp8-ef"``): each rank keeps what each gradient lost in the first
@@ -315,14 +317,16 @@ def _sum_shards(
     state.sent.add("all_to_all", send.numel(), world)
     comm.all_to_all(recv, send)
     k = chunks.shape[0] // world  # chunks per shard
-    mine = scale[rank * k : (rank + 1) * k]
-    parts = recv.view(world, k, state.chunk).view(state.dtype).float() / mine[None, :, None]
-    return parts.sum(0), lost  # fp32 accumulation
+    # one scale per chunk for every rank: sum, then divide (by a power of two: exact); NaN
+    # when any rank's bucket was non-finite, so that the result says so everywhere
+    mine = torch.where(nonfinite, float("nan"), scale[rank * k : (rank + 1) * k])
+    parts = recv.view(world, k, state.chunk).view(state.dtype).float()
+    return parts.sum(0) / mine[:, None], lost  # fp32 accumulation
 
 
 class BucketExchange:
-    """One DDP bucket's exchange, in the two halves the transports share: :meth:`agreed` (the
-    vector to MAX-reduce: every chunk's amax and the raw bucket's non-finite flag) and
+    """One DDP bucket's exchange, in the two halves the transports share: :attr:`agreed` (the
+    vector to MAX-reduce: every chunk's amax, inf where the raw bucket holds an inf/NaN) and
     :meth:`finish` (the shards' sum, the average all-gathered, written into the bucket).
 
     Args:
@@ -347,8 +351,7 @@ class BucketExchange:
                 x += residual
         self.chunks = x.view(-1, state.chunk)
         amax = torch.nan_to_num(self.chunks.abs().amax(1), nan=float("inf"))
-        bad = (~torch.isfinite(self.buffer)).any().float().reshape(1) if contributes else None
-        self.agreed = torch.cat([amax, bad if bad is not None else amax.new_zeros(1)])
+        self.agreed = amax  # an inf/NaN anywhere in the bucket is an inf here
         self.contributes = contributes
         state.sent.add("all_reduce", self.agreed.numel() * 4, world, scales=True)
         state.sent.steps += int(bucket.is_last())
@@ -357,7 +360,7 @@ class BucketExchange:
         """Given the MAX-reduced :attr:`agreed`: sum this rank's shard of every rank's
         quantised bucket, all-gather the quantised average, write it into the bucket."""
         state, layout, c = self.state, self.layout, self.state.chunk
-        amax_all, nonfinite = reduced[:-1], reduced[-1] > 0
+        amax_all, nonfinite = reduced, torch.isinf(reduced).any()
         total, lost = _sum_shards(state, self.chunks, amax_all, nonfinite, comm)
         if lost is not None and self.contributes:  # what this rank's values lost
             state.keep_bucket(layout, lost)
@@ -368,15 +371,14 @@ class BucketExchange:
         gathered = torch.empty(layout.total, dtype=torch.uint8, device=self.buffer.device)
         state.sent.add("all_gather", q2.numel(), comm.world)
         comm.all_gather(gathered, q2.reshape(-1))
-        out = gathered.view(state.dtype).float().view(-1, c) / scale2_all[:, None]
-        out = torch.where(nonfinite, float("nan"), out).reshape(-1)
+        out = (gathered.view(state.dtype).float().view(-1, c) / scale2_all[:, None]).reshape(-1)
         torch._foreach_copy_(self.grads, layout.views(out))
         return self.buffer
 
 
 def fp8_hook(state: Fp8CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce (average) the bucket as 8-bit floats (see the module doc). Three collectives:
-    the agreed chunk scales and non-finite flag (MAX), the quantised shards (all-to-all), the
+    the chunks' amax, non-finite ones included (MAX), the quantised shards (all-to-all), the
     quantised averages (all-gather). No host sync."""
     comm = GroupComm(state.group)
     exchange = BucketExchange(state, bucket, comm.world)
@@ -426,17 +428,14 @@ class Fp8ReduceScatter:
             x += residual.view(world, per_rank)
         chunks = x.view(-1, c)
         amax = torch.nan_to_num(chunks.abs().amax(1), nan=float("inf"))
-        bad = (~torch.isfinite(input_tensor)).any().float().reshape(1)
-        agreed = torch.cat([amax, bad])
-        state.sent.add("all_reduce", agreed.numel() * 4, world, scales=True)
+        state.sent.add("all_reduce", amax.numel() * 4, world, scales=True)
         state.sent.steps += int(self.name == "<root>")  # the root module reduces last
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        nonfinite = agreed[-1] > 0
-        summed, lost = _sum_shards(state, chunks, agreed[:-1], nonfinite, GroupComm(group))
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        nonfinite = torch.isinf(amax).any()  # any rank's inf/NaN (NaN arrives as inf)
+        summed, lost = _sum_shards(state, chunks, amax, nonfinite, GroupComm(group))
         if lost is not None:
             state.keep(self.name, lost.clone())
         total = summed.reshape(-1)[:shard]
         if op == dist.ReduceOp.AVG:
             total = total / world
-        total = torch.where(nonfinite, float("nan"), total)
         output_tensor.copy_(total.view_as(output_tensor).to(output_tensor.dtype))
