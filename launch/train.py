@@ -45,7 +45,8 @@ from distamp import (
     shutdown_distributed,
 )
 from distamp.cli import int_arg, real_arg
-from distamp.parallel.strategies import STRATEGIES
+from distamp.observe.metrics import WindowStats
+from distamp.parallel.strategies import COMM_HOOKS, STRATEGIES
 from distamp.precision.fp8_select import FP8_RECIPES
 from launch.model import DATA_FILE, GPT, GPTConfig, ShardedText, lm_loss, load_text
 
@@ -69,6 +70,7 @@ SUMMARY_FIELDS: dict[str, str] = {
     "loss_scale": "the loss scale at the end (fp16; 1.0 where no scaling is needed)",
     "grad_norm": "gradient norm before clipping at the last logging step (null: no clipping)",
     "tokens_per_s": "training tokens per second, all ranks together",
+    "grad_bytes": "bytes rank 0 sent for gradients per step, scales included (null: not counted)",
     "world_size": "number of ranks",
     "precision": "the precision trained in",
     "fp8_layers": "Linear layers converted to float8 (fp8 only)",
@@ -114,6 +116,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "model is 64 wide, so 64 puts every Linear of it in fp8)",
     )
     add("--strategy", choices=STRATEGIES, default="auto", help="data-parallel strategy")
+    add(
+        "--comm-hook",
+        choices=COMM_HOOKS,
+        default=None,
+        help="gradient communication (ddp; fp8 and fp8-ef also fsdp2): compressed or counted",
+    )
     add("--grad-accum", type=int_arg(1), default=1, help="micro-batches per step")
     add("--max-grad-norm", type=real_arg(0.0), default=1.0, help="clip norm; 0 disables")
     add("--seed", type=int_arg(0, 2**32 - 1), default=0)
@@ -190,6 +198,13 @@ def _check_data(p: argparse.ArgumentParser, path: Path, needed: int) -> None:
                 f"{needed} (batch size x ranks + context + 1)")  # fmt: skip
 
 
+def _grad_bytes(stats: WindowStats | None) -> float | None:
+    """Rank 0's gradient bytes per step in the last window, payload and scales together."""
+    if stats is None or stats.grad_bytes is None:
+        return None
+    return stats.grad_bytes + (stats.grad_scale_bytes or 0.0)
+
+
 def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
     """LR multiplier: linear warm-up, then cosine decay to 10% at ``total`` steps."""
 
@@ -237,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     amp = DistAMP(
         precision=args.precision,
         strategy=args.strategy,
+        comm_hook=args.comm_hook,
         policy=policy,
         grad_accum_steps=args.grad_accum,
         max_grad_norm=args.max_grad_norm or None,
@@ -294,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             "loss_scale": stats.loss_scale if stats else None,
             "grad_norm": stats.grad_norm if stats else None,
             "tokens_per_s": tokens * amp.world_size / wall if wall > 0 else None,
+            "grad_bytes": _grad_bytes(stats),
             "world_size": amp.world_size,
             "precision": str(amp.precision),
             "fp8_layers": len(amp.fp8.converted) if amp.fp8 is not None else 0,

@@ -63,6 +63,7 @@ def test_torchrun_json_line_and_resume_is_bitwise(tmp_path: Path) -> None:
     assert whole["precision"] == "fp16" and whole["loss_scale"] == 2.0**16
     assert whole["skipped_steps"] == 0 and whole["tokens_per_s"] > 0
     assert whole["final_loss"] < 5.0  # from ln(256) = 5.55
+    assert whole["grad_bytes"] == 4 * _params()  # DDP's own fp32 all-reduce on 2 ranks
 
     ckpt = str(tmp_path / "ckpt")
     first = _torchrun(*common, "--out", ckpt, "--stop-at", "5")
@@ -92,11 +93,19 @@ def test_single_process() -> None:
     )
     assert result["world_size"] == 1 and result["strategy"] == "none" and result["steps"] == 3
     assert result["loss_scale"] == 1.0  # bf16: no loss scaling
+    assert result["grad_bytes"] is None  # one process: nothing sent, nothing counted
+
+
+def _params() -> int:
+    from launch.model import GPT, GPTConfig
+
+    return sum(p.numel() for p in GPT(GPTConfig()).parameters())
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun is not on PATH")
 def test_same_seed_same_loss_under_torchrun_and_mpirun() -> None:
-    args = ["--steps", "10", "--log-interval", "5", "--precision", "bf16", "--seed", "3"]
+    args = ["--steps", "10", "--log-interval", "5", "--precision", "bf16", "--seed", "3",
+            "--comm-hook", "fp8"]  # fmt: skip
     mpirun = [
         "mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe",
         "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}",
@@ -104,6 +113,7 @@ def test_same_seed_same_loss_under_torchrun_and_mpirun() -> None:
     via_mpi = _run([*mpirun, sys.executable, TRAIN, *args])
     via_torchrun = _torchrun(*args)
     assert via_mpi["world_size"] == 2 and via_mpi["final_loss"] == via_torchrun["final_loss"]
+    assert 0.25 <= via_mpi["grad_bytes"] / (4 * _params()) <= 0.3  # 8-bit, scales included
 
 
 def test_help_explains_every_summary_field_and_where_outputs_go() -> None:
