@@ -300,3 +300,38 @@ def test_main_job_trains_within_1_percent_of_uncompressed() -> None:
     ref = r0["ddp None"]
     for strategy in ("ddp", "fsdp2"):
         assert abs(r0[f"{strategy} fp8-ef"] - ref) / ref < 0.01, r0
+
+
+def test_bucket_residuals_follow_new_buckets_and_world_sizes() -> None:
+    """The flat per-bucket residuals (DDP's hot path) against the names they belong to: a bucket
+    of another composition or padding (DDP's rebuilt buckets, a torchft quorum of another size)
+    is assembled from what each parameter lost, and the checkpoint holds them by name."""
+    from distamp.parallel.fp8_comm import _BucketLayout
+
+    state = Fp8CommState(error_feedback=True, chunk=4)
+    names, numels = ("a", "b", "c"), [5, 3, 9]
+    two = _BucketLayout(names, numels, 4, world=2)
+    lost = torch.arange(two.total, dtype=torch.float32)
+    state.keep_bucket(two, lost)
+    by_name = {n: v.clone() for n, v in state.residuals.items()}
+    assert [by_name[n].numel() for n in names] == numels
+    assert torch.equal(by_name["b"], lost[8:11])  # "a" padded to 8 elements, then "b"
+    four = _BucketLayout(names, numels, 4, world=4)  # other padding: assembled by name
+    assert four.total != two.total
+    err = state.bucket_residual(four, torch.zeros(four.total))
+    assert err is not None and err.shape == (four.total,)
+    for name, part in zip(names, four.views(err), strict=True):
+        assert torch.equal(part, by_name[name])
+    state.keep_bucket(four, err)
+    reordered = _BucketLayout(("c", "a", "b"), [9, 5, 3], 4, world=4)  # DDP's first-step order
+    again = state.bucket_residual(reordered, torch.zeros(reordered.total))
+    assert again is not None
+    assert torch.equal(reordered.views(again)[0], by_name["c"])
+    state.keep_bucket(reordered, again)  # as the exchange does
+    saved = state.state_dict()
+    assert set(saved["residuals"]) == set(names)
+    fresh = Fp8CommState(error_feedback=True, chunk=4)
+    fresh.load_state_dict(saved)
+    restored = fresh.bucket_residual(four, torch.zeros(four.total))
+    assert restored is not None
+    assert torch.equal(restored, err)

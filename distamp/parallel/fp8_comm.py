@@ -162,12 +162,13 @@ class Fp8CommState(GroupState):
     def bucket_residual(self, layout: "_BucketLayout", like: torch.Tensor) -> torch.Tensor | None:
         """The bucket's residual for this step in its chunk layout (as :meth:`residual`, once
         per bucket). A bucket of new composition (DDP rebuilds its buckets after the first
-        step; a resumed run starts from names) is assembled from the names' residuals once."""
+        step; a resumed run starts from names) or of a new world size (a torchft quorum that
+        grew or shrank: other padding) is assembled from the names' residuals once."""
         if not self.error_feedback:
             return None
         key = layout.names
         kept = self._flat.get(key)
-        if kept is None:
+        if kept is None or kept[0] is not layout:  # new names, or a new world (torchft)
             self._absorb(set(key))
             err = torch.zeros_like(like)
             for name, part in zip(key, layout.views(err), strict=True):
