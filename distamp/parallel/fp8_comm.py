@@ -181,14 +181,7 @@ class Fp8CommState(GroupState):
             if scale is not None:
                 self._flat_scale_at[key] = scale.detach().clone()
             return err
-        err = kept[1]
-        skipped = last_step_skipped(self.scaler, like.device)
-        scale = current_loss_scale(self.scaler)
-        if scale is not None and key in self._flat_scale_at:
-            err = err * (scale.to(like.device) / self._flat_scale_at[key].to(like.device))
-        if scale is not None:
-            self._flat_scale_at[key] = scale.detach().clone()
-        return torch.where(skipped, torch.zeros_like(err), err)
+        return self._repair(kept[1], self._flat_scale_at, key)
 
     def keep_bucket(self, layout: "_BucketLayout", lost: torch.Tensor) -> None:
         """Keep what the bucket's values lost (its chunk layout) for the next step."""
@@ -211,16 +204,22 @@ class Fp8CommState(GroupState):
         the loss scale changed."""
         if not self.error_feedback:
             return None
-        err = self.residuals.get(index)
+        err = self._loose.get(index)
         if err is None or err.shape != like.shape:
             err = torch.zeros_like(like)
-        err = err.to(like.device)
-        skipped = last_step_skipped(self.scaler, like.device)
+        return self._repair(err.to(like.device), self._scale_at, index)
+
+    def _repair(
+        self, err: torch.Tensor, scale_at: dict[Any, torch.Tensor], key: Any
+    ) -> torch.Tensor:
+        """``err`` for this step, on device: zero after a skipped step, times ``new / old`` when
+        the loss scale changed since ``scale_at[key]`` (then updated)."""
+        skipped = last_step_skipped(self.scaler, err.device)
         scale = current_loss_scale(self.scaler)
-        if scale is not None and index in self._scale_at:
-            err = err * (scale.to(like.device) / self._scale_at[index].to(like.device))
+        if scale is not None and key in scale_at:
+            err = err * (scale.to(err.device) / scale_at[key].to(err.device))
         if scale is not None:
-            self._scale_at[index] = scale.detach().clone()
+            scale_at[key] = scale.detach().clone()
         return torch.where(skipped, torch.zeros_like(err), err)
 
     def state_dict(self) -> dict[str, Any]:
