@@ -318,7 +318,7 @@ class DistAMP(RunLoop):
                 stage=stages[0].stage_index if stages else None,
             )  # fmt: skip
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
-        traffic = grad_traffic(wrapped, self.strategy, self.comm_hook_state)  # gradient bytes
+        traffic = grad_traffic(wrapped, self.strategy, self.comm_hook_state, ft is not None)
         self.metrics = Metrics(self.device, traffic)
         self.quorum = None if ft is None else QuorumSchedule(ft)
         return wrapped, optimizer

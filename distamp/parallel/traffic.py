@@ -25,8 +25,6 @@ from typing import Any
 
 import torch
 
-from distamp.parallel.replicas import is_ft_ddp
-
 __all__ = ["PlainTraffic", "Traffic", "WireBytes", "grad_traffic", "wire_bytes"]
 
 
@@ -89,15 +87,18 @@ class PlainTraffic:
 Traffic = WireBytes | PlainTraffic
 
 
-def grad_traffic(model: torch.nn.Module, strategy: str, hook_state: Any) -> Traffic | None:
-    """Where the engine reads this rank's gradient bytes from (``None``: not known)."""
+def grad_traffic(
+    model: torch.nn.Module, strategy: str, hook_state: Any, replicas: bool = False
+) -> Traffic | None:
+    """Where the engine reads this rank's gradient bytes from (``None``: not known).
+    ``replicas``: the model averages across torchft replica groups."""
     sent = getattr(hook_state, "sent", None)
     if isinstance(sent, WireBytes):
         return sent
     if hook_state is not None:  # PowerSGD: its ranks decide what they compress
         return None
     params = [p for p in model.parameters() if p.requires_grad]
-    if strategy == "ddp" and is_ft_ddp(model):  # torchft's own hook: the quorum changes
+    if replicas:  # torchft's own hook: the quorum changes from step to step
         return None
     if strategy == "ddp":
         group = getattr(model, "process_group", None)
