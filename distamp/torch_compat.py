@@ -5,10 +5,11 @@ distamp builds on a few torch names that are not public API: the multi-tensor op
 ``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch._amp_update_scale_``), the grouping
 helper they bucket tensors with, the ``GradScaler`` members :class:`DistributedGradScaler`
 overrides, the base class of pipeline stages, FSDP1's hybrid replica group, DTensor's local
-tensor. Private names move between releases without notice, so they are read here and only
-here: a rename shows up as one failing check (:func:`missing_internals`, run by
-``tests/test_torch_compat.py`` on the floor, the pinned and the newest torch of
-:data:`distamp.versions.TORCH`) instead of an ``AttributeError`` in the middle of a run.
+tensor (and one of torchft's: the Manager's process group). Private names move between releases
+without notice, so they are read here and only here: a rename shows up as one failing check
+(:func:`missing_internals`, run by ``tests/test_torch_compat.py`` on the floor, the pinned and
+the newest torch of :data:`distamp.versions.TORCH`) instead of an ``AttributeError`` in the
+middle of a run.
 
 Each name was checked on every torch release of that window.
 """
@@ -36,6 +37,7 @@ __all__ = [
     "missing_internals",
     "scaled_mm",
     "takes_grad_scale",
+    "torchft_manager_group",
 ]
 
 # The multi-tensor kernels behind torch's GradScaler and clip_grad_norm_ (no public aliases).
@@ -116,6 +118,18 @@ def fsdp1_replica_group(module: Any) -> Any:
     if getattr(module, "sharding_strategy", None) not in hybrid:
         return None
     return module._inter_node_pg
+
+
+def torchft_manager_group(manager: Any) -> Any:
+    """The process group a torchft ``Manager`` was built with (``pg=``), reconfigured by it for
+    every quorum; ``None`` if this torchft keeps it elsewhere.
+
+    torchft 0.2 offers the group's all-reduce (``Manager.allreduce``) but no accessor for the
+    group itself, which an exchange of shards (all-to-all, all-gather) needs; it keeps it in
+    ``Manager._pg``. Checked on the torchft releases of :data:`distamp.versions.WINDOWS`
+    (``tests/test_torchft.py``)."""
+    group = getattr(manager, "_pg", None)
+    return group if hasattr(group, "alltoall_base") else None
 
 
 def dtensor_local(weight: Any) -> Any:

@@ -437,3 +437,13 @@ def test_engine_fp8_across_replicas_trains_the_main_job(tmp_path: Path) -> None:
         assert not any(e["skipped"] for e in a["log"]) and all(e["committed"] for e in a["log"])
         losses[hook] = a["held_out"]
     assert abs(losses["fp8-ef"] - losses[None]) / losses[None] < 0.01, losses
+
+
+def test_the_managers_process_group_is_where_distamp_reads_it(manager: Any) -> None:
+    """``comm_hook="fp8"`` across replicas sends shards over the Manager's own process group,
+    which torchft offers no accessor for: this torchft must keep it where distamp reads it."""
+    from distamp.torch_compat import torchft_manager_group
+
+    group = torchft_manager_group(manager)
+    assert group is not None and hasattr(group, "allgather_into_tensor_coalesced")
+    assert torchft_manager_group(object()) is None

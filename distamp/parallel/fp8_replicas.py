@@ -22,8 +22,8 @@ transport and who counts:
   its scaler as on DDP); a replica that restarts starts with none (what heals is the weights,
   the optimizer and the scaler, not another replica's residuals).
 
-torchft keeps the Manager's process group in ``Manager._pg`` (read here, checked within the
-torchft versions of :data:`distamp.parallel.replicas.SUPPORTED_TORCHFT`).
+torchft has no accessor for the Manager's process group: it is read through
+:func:`distamp.torch_compat.torchft_manager_group`.
 """
 
 # No `from __future__ import annotations`: DDP's register_comm_hook checks the hook's annotations
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
 from distamp.parallel.fp8_comm import BucketExchange, Fp8CommState
+from distamp.torch_compat import torchft_manager_group
 
 __all__ = ["ManagerComm", "ReplicaFp8", "fp8_replica_hook", "replica_fp8_ddp"]
 
@@ -45,8 +46,8 @@ class ManagerComm:
     :class:`~distamp.parallel.fp8_comm.BucketExchange` takes), for the current quorum."""
 
     def __init__(self, manager: Any) -> None:
-        pg = getattr(manager, "_pg", None)
-        if pg is None or not hasattr(pg, "alltoall_base"):
+        pg = torchft_manager_group(manager)
+        if pg is None:
             raise RuntimeError(
                 "comm_hook='fp8' with ft_manager: this torchft Manager keeps no process group "
                 "where torchft 0.2 does (Manager._pg); use comm_hook=None with this torchft"
