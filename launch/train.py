@@ -45,6 +45,7 @@ from distamp import (
     shutdown_distributed,
 )
 from distamp.cli import int_arg, real_arg
+from distamp.engine.config import AMPConfig
 from distamp.observe.metrics import WindowStats
 from distamp.parallel.strategies import COMM_HOOKS, STRATEGIES
 from distamp.precision.fp8_select import FP8_RECIPES
@@ -158,6 +159,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             world = detect_environment().world_size  # pure: reads the launcher's variables
         except ValueError as exc:
             p.error(f"launcher environment: {exc}")
+        _check_comm_hook(p, args, world)
         _check_data(p, args.data, args.batch_size * world + GPTConfig().context + 1)
     return args
 
@@ -196,6 +198,21 @@ def _check_data(p: argparse.ArgumentParser, path: Path, needed: int) -> None:
     if size < needed:
         p.error(f"argument --data: {str(path)!r} holds {size} bytes; this run needs at least "
                 f"{needed} (batch size x ranks + context + 1)")  # fmt: skip
+
+
+def _check_comm_hook(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
+    """--comm-hook against --strategy (the engine's own rule) and the world, before any rank
+    starts: a usage error, not a traceback from every rank."""
+    if args.comm_hook is None:
+        return
+    if world < 2:
+        p.error(f"argument --comm-hook: {args.comm_hook} exchanges gradients between ranks; "
+                "launch 2 or more (distamp launch --nproc-per-node N ...)")  # fmt: skip
+    try:
+        AMPConfig(precision=parse_precision(args.precision), strategy=args.strategy,
+                  comm_hook=args.comm_hook)  # fmt: skip
+    except ValueError as exc:
+        p.error(f"argument --comm-hook: {exc}")
 
 
 def _grad_bytes(stats: WindowStats | None) -> float | None:

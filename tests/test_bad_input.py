@@ -391,12 +391,12 @@ def test_init_distributed_refuses_bad_variables_before_any_group(
 TRAIN_FLAGS = st.sampled_from(
     ["--steps", "--precision", "--strategy", "--grad-accum", "--max-grad-norm", "--seed",
      "--batch-size", "--lr", "--warmup", "--log-interval", "--checkpoint-interval", "--stop-at",
-     "--threads", "--timeout", "--fp8-recipe", "--fp8-min-features", "--data"]
+     "--threads", "--timeout", "--fp8-recipe", "--fp8-min-features", "--data", "--comm-hook"]
 )  # fmt: skip
 ARG_VALUES = st.one_of(
     st.integers(-(2**40), 2**40).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(str),
-    st.sampled_from(["fp16", "fp17", "ddp", "rowwise", "abc", "", "/nonexistent", "launch"]),
+    st.sampled_from(["fp16", "fp17", "ddp", "rowwise", "abc", "", "/nonexistent", "launch", "fp8"]),
 )
 
 
@@ -406,6 +406,7 @@ ARG_VALUES = st.one_of(
 @example([("--steps", "3"), ("--stop-at", "10")])
 @example([("--threads", "-1")])
 @example([("--data", "/nonexistent")])
+@example([("--comm-hook", "fp8")])  # one process: nothing to exchange
 def test_fuzzed_main_job_arguments(pairs: list[tuple[str, str]]) -> None:
     """launch/train.py's parser: a usage error (exit 2) naming an argument, or values that mean
     something; never a traceback (parse() runs before any process group)."""
@@ -425,6 +426,29 @@ def test_fuzzed_main_job_arguments(pairs: list[tuple[str, str]]) -> None:
     assert args.steps >= 1 and args.warmup >= 0 and args.threads >= 0
     assert args.stop_at is None or 1 <= args.stop_at <= args.steps
     assert math.isfinite(args.lr) and args.lr > 0 and args.data.is_file()
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--comm-hook", "fp16", "--strategy", "fsdp2"], "comm_hook='fp16' with strategy='fsdp2'"),
+        (["--comm-hook", "fp8", "--strategy", "fsdp"], "comm_hook='fp8' with strategy='fsdp'"),
+    ],
+)
+def test_main_job_comm_hook_against_the_strategy_is_a_usage_error(
+    argv: list[str], match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a 2-rank launcher's variables, a hook the strategy cannot carry stops the parser
+    (exit 2, the engine's own message) before any process group."""
+    from launch.train import parse
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exc:
+        parse(argv)
+    assert exc.value.code == 2 and match in stderr.getvalue(), stderr.getvalue()
+    assert parse(["--comm-hook", "fp8", "--strategy", "fsdp2"]).comm_hook == "fp8"
 
 
 LAUNCH_FLAGS = st.sampled_from(["--nnodes", "--nproc-per-node", "--node-rank", "--rdzv-endpoint"])

@@ -9,10 +9,9 @@ overflow itself:
    bucket: it orders its first step's buckets differently from the later ones'); one MAX
    all-reduce agrees on every chunk's largest magnitude (a NaN counts as an inf, so the same
    vector says whether any rank's raw bucket holds an inf/NaN). Each chunk's scale is the power
-   of two that puts
-   ``world * amax`` at or under the format's maximum, so a sum of every rank's quantised values
-   cannot overflow and a chunk of small gradients keeps its precision (powers of two scale
-   exactly).
+   of two that puts ``world * amax`` at or under the format's maximum, so a sum of every rank's
+   quantised values cannot overflow and a chunk of small gradients keeps its precision (powers
+   of two scale exactly).
 2. **Reduce in fp32, send in 8 bits** (the two-phase exchange of ZeRO++'s quantised gradients):
    an all-to-all hands every rank its shard of every rank's quantised bucket; the rank
    dequantises and sums them in fp32, averages, quantises the average with its chunks' scales
@@ -22,9 +21,8 @@ overflow itself:
 3. **An overflow stays an overflow.** torch's cast to ``float8_e4m3fn`` saturates (inf and 1000
    both become 448), so the agreed amax of step 1 decides: when any rank's bucket holds an
    inf/NaN (an inf in the agreed vector), every rank's reduced bucket is NaN (its shard sum is
-   divided by NaN scales: no pass of its own), the scaler sees it on
-   every rank and the step is skipped everywhere (the scaler's own flag stays the step's one
-   agreed decision).
+   divided by NaN scales: no pass of its own), the scaler sees it on every rank and the step is
+   skipped everywhere (the scaler's own flag stays the step's one agreed decision).
 4. **Error feedback** (``"fp8-ef"``): each rank keeps what each gradient lost in the first
    quantisation (``x - q / s``, by parameter name) and adds it to the next step's; it is reset
    after a skipped step and multiplied by ``new / old`` when the loss scale changed (it is in
@@ -350,8 +348,8 @@ class BucketExchange:
             if residual is not None:
                 x += residual
         self.chunks = x.view(-1, state.chunk)
-        amax = torch.nan_to_num(self.chunks.abs().amax(1), nan=float("inf"))
-        self.agreed = amax  # an inf/NaN anywhere in the bucket is an inf here
+        # an inf/NaN anywhere in the bucket is an inf here
+        self.agreed = torch.nan_to_num(self.chunks.abs().amax(1), nan=float("inf"))
         self.contributes = contributes
         state.sent.add("all_reduce", self.agreed.numel() * 4, world, scales=True)
         state.sent.steps += int(bucket.is_last())
