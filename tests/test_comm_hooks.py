@@ -129,8 +129,8 @@ def test_comm_hooks_on_two_gloo_ranks() -> None:
 
 
 def test_fp16_factor_fits_the_sum_and_passes_nonfinite_through() -> None:
-    assert _fp16_factor(torch.tensor(1e-35), 2).item() == 2.0**100  # exponent clamped
-    for amax in (1e-20, 3e-5, 1.0, 7.0, 65504.0, 1e20):
+    assert _fp16_factor(torch.tensor(1e-37), 2).item() == 2.0**126  # exponent clamped
+    for amax in (1e-20, 3e-5, 1.0, 7.0, 65504.0, 1e20, 1e35, 3e38):
         for world in (2, 3, 64):
             f = _fp16_factor(torch.tensor(amax), world)
             assert math.log2(f.item()).is_integer()

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from distamp.cluster.main_address import free_port
 
-__all__ = ["run_ranks"]
+__all__ = ["RankPool", "run_ranks"]
 
 
 def _worker(
@@ -151,3 +151,113 @@ def _spawn(
     if errors:
         raise RuntimeError("a rank failed:\n" + "\n".join(errors))
     return [collected[r][1] for r in range(world_size)]
+
+
+def _pool_worker(
+    rank: int, world_size: int, port: int, timeout: float, tasks: Any, results: Any, threads: int
+) -> None:
+    """One rank of a :class:`RankPool`: join the group once, then run tasks until told to stop."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+    )
+    try:
+        while (task := tasks.get()) is not None:
+            fn, args = task
+            try:
+                results.put((rank, "ok", fn(rank, world_size, *args)))
+            except BaseException:
+                results.put((rank, "err", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` gloo ranks started once, then handed many calls: for a property test
+    that runs a few steps per example, where starting processes per example would cost more
+    than the example.
+
+    :meth:`run` has :func:`run_ranks`' contract (per-rank results in rank order; a rank's
+    traceback as ``RuntimeError``; ``TimeoutError`` after ``timeout`` seconds). A failed or
+    timed-out call stops the ranks (one may be inside a collective the others left); the next
+    call starts fresh ones. Use it as a context manager.
+    """
+
+    def __init__(self, world_size: int = 2, *, timeout: float = 120.0, threads: int = 1) -> None:
+        self.world_size, self.timeout, self.threads = world_size, timeout, threads
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        port, world = free_port(), self.world_size
+        self._procs = [
+            ctx.Process(
+                target=_pool_worker,
+                args=(r, world, port, self.timeout, self._tasks[r], self._results, self.threads),
+                daemon=True,
+            )
+            for r in range(world)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
+        """``fn(rank, world_size, *args)`` on every rank of the pool (``fn`` importable by name:
+        a module-level function)."""
+        if not self._procs:
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args))
+        collected: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
+        try:
+            while len(collected) < self.world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(range(self.world_size)) - set(collected))
+                    raise TimeoutError(f"ranks {missing} did not finish {fn.__name__} in time")
+                try:
+                    rank, status, payload = self._results.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    dead = {i: p.exitcode for i, p in enumerate(self._procs) if not p.is_alive()}
+                    if dead:
+                        raise RuntimeError(f"rank(s) died without a result: {dead}") from None
+                    continue
+                collected[rank] = (status, payload)
+        except BaseException:
+            self.close()
+            raise
+        errors = [f"--- rank {r} ---\n{p}" for r, (s, p) in sorted(collected.items()) if s == "err"]
+        if errors:
+            self.close()
+            raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+        return [collected[r][1] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        """Stop the ranks (politely when they are idle, else killed)."""
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -30,10 +30,21 @@ The hooks here:
 
 Every hook returns the *average* over ranks, as DDP expects, and every hook but PowerSGD counts
 the bytes its rank sends (``state.sent``: payload and scales apart, per step).
+
+**Collective order.** DDP calls a hook once per bucket, in the same bucket order on every rank
+(the order can change once, when DDP rebuilds its buckets after the first step, but it changes
+the same way everywhere). Every hook here issues *all* of its collectives from that call, in a
+fixed sequence; a future's callback only does local work (copy, cast, divide). A collective
+issued from a callback would run when the previous collective of its bucket finished, which on
+gloo happens on a worker thread at a time that differs between ranks: with two buckets in flight
+one rank would pair bucket 1's second collective with another rank's bucket 0, a size mismatch
+or a hang. The price on gloo is that a hook waits for its first collective before returning
+(NCCL's ``wait`` only orders streams, so GPUs lose no overlap).
 """
 
 # No `from __future__ import annotations`: DDP's register_comm_hook checks the hook's annotations
 # against the real `dist.GradBucket` / `torch.futures.Future[torch.Tensor]` objects.
+import math
 from typing import Any
 
 import torch
@@ -67,7 +78,8 @@ COMM_HOOKS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "fp8-ef", "powersg
 # compression factor is exact, with a factor-of-two margin for rounding.
 _FP16_TARGET_LOG2 = 15.0
 # Bounds of the compression factor's exponent: fp32 must hold the factor and its reciprocal.
-_LOG2_MIN, _LOG2_MAX = -100.0, 100.0
+# 2**-126 is fp32's smallest normal number: with it any finite fp32 amax fits fp16's range.
+_LOG2_MIN, _LOG2_MAX = -126.0, 126.0
 
 
 class CompressionState(GroupState):
@@ -82,7 +94,8 @@ def _fp16_factor(amax: torch.Tensor, world: int) -> torch.Tensor:
     """The power of two ``f`` with ``world * amax * f <= 2**15``; 1 when ``amax`` is 0 or not
     finite (non-finite values must reach the scaler unchanged)."""
     safe = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax))
-    exponent = torch.floor(_FP16_TARGET_LOG2 - torch.log2(safe * world))
+    # log2 of the product as a sum: world * amax may be past fp32's range
+    exponent = torch.floor(_FP16_TARGET_LOG2 - torch.log2(safe) - math.log2(world))
     factor = torch.exp2(exponent.clamp(_LOG2_MIN, _LOG2_MAX))
     return torch.where(safe == amax, factor, torch.ones_like(factor))
 
@@ -95,7 +108,7 @@ def fp16_hook(
     Two collectives: MAX of the bucket's largest magnitude (4 bytes), then SUM of the bucket
     compressed with the factor from :func:`_fp16_factor`. The loss scale can therefore stay as
     high as the backward pass allows instead of backing off for the compression's sake. No host
-    sync.
+    sync on NCCL (the first collective's ``wait`` orders streams); gloo waits for it.
     """
     group = state.group
     world = dist.get_world_size(group)
@@ -108,19 +121,25 @@ def fp16_hook(
     state.sent.add("all_reduce", 4, world, scales=True)
     state.sent.add("all_reduce", 2 * buffer.numel(), world)
     state.sent.steps += int(bucket.is_last())
-    agreed = dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    assert agreed is not None
+    # Both collectives are issued here, in the hook's own call: DDP calls the hooks in bucket
+    # order on every rank, so the collectives' order is that order. (A collective issued from a
+    # future's callback runs when that bucket's previous work finishes, which differs between
+    # ranks once several buckets are in flight: gloo then pairs one rank's bucket with
+    # another's.) On NCCL ``wait()`` only orders the streams; on gloo it blocks the host.
+    work = dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    assert work is not None
+    work.wait()
+    factor = _fp16_factor(amax[0], world)
+    compressed = (buffer * factor.to(buffer.dtype)).to(torch.float16)
+    summed = dist.all_reduce(compressed, group=group, async_op=True)
+    assert summed is not None
+    inverse = (1.0 / (factor * world)).to(buffer.dtype)
 
-    def compress_and_reduce(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        factor = _fp16_factor(fut.value()[0][0], world)
-        compressed = (buffer * factor.to(buffer.dtype)).to(torch.float16)
-        work = dist.all_reduce(compressed, group=group, async_op=True)
-        assert work is not None
-        total = work.get_future().wait()[0]
-        buffer.copy_(total.to(buffer.dtype) * (1.0 / (factor * world)).to(buffer.dtype))
+    def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        buffer.copy_(fut.value()[0].to(buffer.dtype) * inverse)  # local work only
         return buffer
 
-    return agreed.get_future().then(compress_and_reduce)
+    return summed.get_future().then(decompress)
 
 
 def bf16_hook(
@@ -244,10 +263,19 @@ class PowerSGDState:
 def powersgd_hook(
     state: PowerSGDState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """torch's PowerSGD on ``state.inner``, after :meth:`PowerSGDState.repair`. No host sync
-    beyond what torch's hook itself does."""
+    """torch's PowerSGD on ``state.inner``, after :meth:`PowerSGDState.repair`, finished before
+    the hook returns.
+
+    torch's hook issues its second and third all-reduce from future callbacks; on gloo those run
+    when the previous collective finishes, so with several buckets in flight two ranks could
+    issue them in different orders. Waiting here keeps one bucket in flight at a time: the
+    order is DDP's bucket order on every rank. (On NCCL the callbacks run at enqueue time and
+    ``wait`` only orders the streams.)
+    """
     state.repair(bucket.index(), bucket.buffer().device)
-    return _psgd.powerSGD_hook(state.inner, bucket)
+    fut = _psgd.powerSGD_hook(state.inner, bucket)
+    fut.wait()
+    return fut
 
 
 def register_comm_hook(

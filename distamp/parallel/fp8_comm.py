@@ -63,7 +63,9 @@ __all__ = [
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 """The 8-bit formats the hook can send (``Fp8CommState(format=...)``)."""
 
-_LOG2_MIN, _LOG2_MAX = -100.0, 100.0  # the scale and its reciprocal stay fp32 normal numbers
+# the scale and its reciprocal stay fp32 normal numbers (2**-126 is the smallest); with it any
+# finite fp32 amax fits the 8-bit range on up to 2**7 ranks, and _overflows flags the rest
+_LOG2_MIN, _LOG2_MAX = -126.0, 126.0
 # all_gather_single is the name since torch 2.13 (all_gather_into_tensor, deprecated there).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -263,6 +265,20 @@ class _BucketLayout:
         return dict(zip(self.names, self.views(flat), strict=True))
 
 
+def _chunk_amax(chunks: torch.Tensor) -> torch.Tensor:
+    """Each chunk's largest magnitude, ``inf`` for a chunk holding an inf, -inf or NaN: the
+    vector whose MAX over the ranks is both the scales' input and the bucket's overflow flag.
+    (``nan_to_num`` maps ``inf`` to the largest finite float unless told otherwise, which would
+    let the cast saturate an overflow into a finite value.)"""
+    return torch.nan_to_num(chunks.abs().amax(1), nan=float("inf"), posinf=float("inf"))
+
+
+def _overflows(amax: torch.Tensor, target: float) -> torch.Tensor:
+    """Whether any chunk is non-finite or beyond what its clamped scale can bring under
+    ``target`` (a 0-dim bool: a saturating cast must never see either)."""
+    return (amax > target * 2.0**-_LOG2_MIN).any() | torch.isinf(amax).any()
+
+
 def _scales(amax: torch.Tensor, target: float) -> torch.Tensor:
     """Per chunk: the power of two ``s`` with ``amax * s <= target``; 1 for 0 or non-finite."""
     ok = torch.isfinite(amax) & (amax > 0)
@@ -348,8 +364,7 @@ class BucketExchange:
             if residual is not None:
                 x += residual
         self.chunks = x.view(-1, state.chunk)
-        # an inf/NaN anywhere in the bucket is an inf here
-        self.agreed = torch.nan_to_num(self.chunks.abs().amax(1), nan=float("inf"))
+        self.agreed = _chunk_amax(self.chunks)  # an inf/NaN anywhere in the bucket: an inf
         self.contributes = contributes
         state.sent.add("all_reduce", self.agreed.numel() * 4, world, scales=True)
         state.sent.steps += int(bucket.is_last())
@@ -358,7 +373,8 @@ class BucketExchange:
         """Given the MAX-reduced :attr:`agreed`: sum this rank's shard of every rank's
         quantised bucket, all-gather the quantised average, write it into the bucket."""
         state, layout, c = self.state, self.layout, self.state.chunk
-        amax_all, nonfinite = reduced, torch.isinf(reduced).any()
+        amax_all = reduced
+        nonfinite = _overflows(reduced, state.fmax / comm.world)
         total, lost = _sum_shards(state, self.chunks, amax_all, nonfinite, comm)
         if lost is not None and self.contributes:  # what this rank's values lost
             state.keep_bucket(layout, lost)
@@ -380,9 +396,14 @@ def fp8_hook(state: Fp8CommState, bucket: dist.GradBucket) -> torch.futures.Futu
     quantised averages (all-gather). No host sync."""
     comm = GroupComm(state.group)
     exchange = BucketExchange(state, bucket, comm.world)
-    work = dist.all_reduce(exchange.agreed, op=dist.ReduceOp.MAX, group=comm.group, async_op=True)
-    assert work is not None
-    return work.get_future().then(lambda fut: exchange.finish(fut.value()[0], comm))
+    # all three collectives from this call, in DDP's bucket order (see comm_hooks' module doc):
+    # never from a future's callback, whose timing differs between ranks
+    dist.all_reduce(exchange.agreed, op=dist.ReduceOp.MAX, group=comm.group)
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[exchange.buffer.device] if exchange.buffer.is_cuda else None
+    )
+    done.set_result(exchange.finish(exchange.agreed, comm))
+    return done
 
 
 class Fp8ReduceScatter:
@@ -425,11 +446,11 @@ class Fp8ReduceScatter:
         if residual is not None:
             x += residual.view(world, per_rank)
         chunks = x.view(-1, c)
-        amax = torch.nan_to_num(chunks.abs().amax(1), nan=float("inf"))
+        amax = _chunk_amax(chunks)
         state.sent.add("all_reduce", amax.numel() * 4, world, scales=True)
         state.sent.steps += int(self.name == "<root>")  # the root module reduces last
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        nonfinite = torch.isinf(amax).any()  # any rank's inf/NaN (NaN arrives as inf)
+        nonfinite = _overflows(amax, state.fmax / world)  # any rank's inf/NaN arrives as inf
         summed, lost = _sum_shards(state, chunks, amax, nonfinite, GroupComm(group))
         if lost is not None:
             state.keep(self.name, lost.clone())
