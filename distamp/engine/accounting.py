@@ -33,6 +33,7 @@ class MicroBatchCycle:
     def __init__(self, grad_accum_steps: int) -> None:
         self.size = grad_accum_steps
         self.done = 0  # backward() calls since the last step()
+        self.first = True  # no backward() has run yet (a static-graph DDP must sync it)
 
     @property
     def is_last(self) -> bool:
@@ -55,6 +56,7 @@ class MicroBatchCycle:
 
     def backward_done(self) -> None:
         self.done += 1
+        self.first = False
 
     def check_step(self) -> None:
         """Before a step: raise ``RuntimeError`` unless the cycle is complete."""

@@ -14,19 +14,22 @@ field                         accepted
 ``timeout``                   finite real > 0 seconds, at most 2**31 - 1 (or a ``timedelta``)
 ``hsdp_shard_size``           None, or an integer in [1, 2**31 - 1]
 ``ft_manager``                None, or a ``torchft.Manager`` (else ``TypeError``)
+``ddp_kwargs``                None, or :data:`~distamp.parallel.ddp.DDP_KWARGS` (a mapping)
 ============================  ===========================================
 
 With ``ft_manager`` the engine wraps the model in torchft's DDP across replica groups and agrees
 through the Manager, so what cannot combine with that is refused (``ValueError``): a sharded
 ``strategy`` (shard inside a replica group yourself, then pass the model), a ``comm_hook``
 (torchft's DDP owns the gradient all-reduce), ``trust_ddp_sync=True`` (the flag must cross the
-replicas through the Manager) and a ``scaler`` built over anything but that Manager.
+replicas through the Manager), ``ddp_kwargs`` (torchft's DDP takes none) and a ``scaler`` built
+over anything but that Manager.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,10 +37,11 @@ from torch import nn
 
 from distamp.arguments import INT32_MAX, ArgumentTypeError, as_integer, as_real
 from distamp.cluster import agree_settings, is_distributed
+from distamp.parallel.ddp import check_sparse_gradients, ddp_options
 from distamp.parallel.replicas import is_ft_ddp, is_ft_manager
 from distamp.parallel.strategies import COMM_HOOKS, SHARDED, STRATEGIES
 from distamp.precision.describe import describe_policy
-from distamp.precision.policy import AutocastPolicy, Precision
+from distamp.precision.policy import AutocastPolicy, Precision, PrecisionLike, parse_precision
 from distamp.scaler import DistributedGradScaler
 
 __all__ = [
@@ -52,6 +56,7 @@ __all__ = [
     "check_setup",
     "checked_scheduler",
     "engine_settings",
+    "make_config",
     "make_scaler",
     "parse_device",
     "training_device",
@@ -91,6 +96,7 @@ class AMPConfig:
     ft_manager: Any = None
     trace_nonfinite: bool = False
     numerics_interval: int | None = None
+    ddp_kwargs: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for flag in ("trust_ddp_sync", "trace_nonfinite"):
@@ -167,6 +173,28 @@ class AMPConfig:
                 )
         if self.ft_manager is not None:
             self._check_ft_manager()
+        if self.ddp_kwargs is not None:
+            object.__setattr__(self, "ddp_kwargs", self._checked_ddp_kwargs(self.ddp_kwargs))
+
+    def _checked_ddp_kwargs(self, given: Any) -> dict[str, Any] | None:
+        """``ddp_kwargs`` checked (:func:`~distamp.parallel.ddp.ddp_options`), then refused
+        where the engine builds no ``DistributedDataParallel`` to pass them to."""
+        options = ddp_options(given)
+        if not options:  # nothing to pass on: as None, whatever the strategy
+            return None
+        why = None
+        if self.strategy not in ("auto", "ddp"):
+            why = f"strategy={self.strategy!r} builds none: use strategy='ddp' (or 'auto')"
+        elif self.mesh is not None:
+            why = "with mesh= you parallelised the model and it wraps nothing: set them on your DDP"
+        elif self.ft_manager is not None:
+            why = "with ft_manager it builds torchft's DDP, which takes none of them"
+        if why is not None:
+            raise ValueError(
+                f"ddp_kwargs={options!r}: options of the DistributedDataParallel the engine "
+                f"builds, but {why}, or drop ddp_kwargs"
+            )
+        return options
 
     def _check_ft_manager(self) -> None:
         m = self.ft_manager
@@ -198,6 +226,29 @@ class AMPConfig:
                 "through the same Manager; build it with DistributedGradScaler(..., "
                 "process_group=ft_manager) or pass scaler=None"
             )
+
+
+def make_config(
+    precision: PrecisionLike,
+    *,
+    policy: AutocastPolicy | str | None,
+    timeout: float | timedelta,
+    device: str | torch.device | None,
+    **fields: Any,
+) -> AMPConfig:
+    """:class:`AMPConfig` from ``DistAMP``'s arguments as users spell them: any precision
+    spelling, ``policy="default"``, a ``timedelta``, a device string (``ValueError`` if bad);
+    ``fields`` are the other fields, as they are."""
+    parsed = parse_precision(precision)
+    if policy == "default":
+        policy = AutocastPolicy(parsed)
+    elif isinstance(policy, str):
+        raise ValueError(f"policy={policy!r}: pass an AutocastPolicy, 'default' or None")
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    return AMPConfig(
+        precision=parsed, policy=policy, timeout=timeout, device=parse_device(device), **fields
+    )
 
 
 def parse_device(device: str | torch.device | None) -> torch.device | None:
@@ -322,6 +373,8 @@ def engine_settings(cfg: AMPConfig, strategy: str, device: torch.device) -> dict
         "trace_nonfinite": cfg.trace_nonfinite,
         "numerics_interval": cfg.numerics_interval,
         "ft_manager": cfg.ft_manager is not None,
+        # Sorted: the text compared must not depend on the order the keys were written in.
+        "ddp_kwargs": None if cfg.ddp_kwargs is None else sorted(cfg.ddp_kwargs.items()),
         "mesh": None if mesh is None else (tuple(mesh.shape), mesh.mesh_dim_names),
         "scaler": "default" if cfg.scaler is None else type(cfg.scaler).__name__,
         **describe_policy(cfg.policy),
@@ -357,11 +410,13 @@ def check_setup(
 ) -> None:
     """What can only be checked at setup, once the strategy and device are resolved (the
     model's type is checked before, by :func:`check_model`): the optimizer, scheduler and scaler
-    passed (``TypeError``/``ValueError``), then, in one collective, that every rank has the
-    same settings (:class:`~distamp.cluster.SettingsMismatchError` on every rank)."""
+    passed (``TypeError``/``ValueError``), a sparse gradient under a hook that cannot carry it
+    (:func:`~distamp.parallel.ddp.check_sparse_gradients`), then, in one collective, that every
+    rank has the same settings (:class:`~distamp.cluster.SettingsMismatchError` on every rank)."""
     check_optimizer(optimizer, model)
     check_scaler(cfg, device)
     _check_combinations(cfg, strategy, optimizer, scheduler)
+    check_sparse_gradients(model, cfg.comm_hook)
     agree_settings(engine_settings(cfg, strategy, device), what="DistAMP")
 
 
@@ -378,6 +433,13 @@ def _check_combinations(cfg: AMPConfig, strategy: str, optimizer: Any, scheduler
         raise ValueError(
             f"comm_hook={cfg.comm_hook!r}: strategy resolved to {strategy!r}, which has "
             "no DDP comm hooks (one process resolves 'auto' to 'none'); use comm_hook=None"
+        )
+    several = is_distributed() and torch.distributed.get_world_size() > 1
+    if cfg.ddp_kwargs is not None and strategy != "ddp" and several:  # one process: moot
+        raise ValueError(
+            f"ddp_kwargs={cfg.ddp_kwargs!r}: the model is already parallelised (a DDP or FSDP "
+            "wrapper, DTensor parameters or pipeline stages), so the engine builds no DDP to "
+            "pass them to; set them on your own wrapper, or pass the bare model"
         )
 
 

@@ -13,6 +13,7 @@ and the pipeline-schedule entry points in :mod:`distamp.engine.loop`.
 from __future__ import annotations
 
 import gc
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -39,8 +40,8 @@ from distamp.engine.config import (
     check_model,
     check_setup,
     checked_scheduler,
+    make_config,
     make_scaler,
-    parse_device,
     training_device,
 )
 from distamp.engine.loop import RunLoop, pipeline_stages
@@ -68,7 +69,6 @@ from distamp.precision.policy import (
     MPOwner,
     Precision,
     PrecisionLike,
-    parse_precision,
     select_mp_owner,
 )
 from distamp.scaler import DistributedGradScaler
@@ -115,10 +115,14 @@ class DistAMP(RunLoop):
             DDP across replicas (unless wrapped or sharded by you), the scaler agrees, votes and
             heals through it, and each step's quorum starts as its first forward enters
             :meth:`autocast` (do not call ``start_quorum``; :mod:`distamp.parallel.replicas`).
+        ddp_kwargs: options for the ``DistributedDataParallel`` the engine builds (strategy
+            "ddp", or "auto" on several ranks), e.g. ``{"find_unused_parameters": True}`` for a
+            model whose forward skips parameters; the keys: ``distamp.parallel.ddp.DDP_KWARGS``.
 
     Raises:
         ValueError: a bad setting; the message names the field and echoes the value.
-        TypeError: a flag that is not a bool; ``ft_manager`` is not a ``torchft.Manager``.
+        TypeError: a flag that is not a bool (``ddp_kwargs``' too), ``ddp_kwargs`` not a
+            mapping, ``ft_manager`` not a ``torchft.Manager``.
 
     The settings that must be identical on every rank are compared once, at :meth:`setup`.
     """
@@ -160,30 +164,25 @@ class DistAMP(RunLoop):
         numerics_interval: int | None = None,
         trust_ddp_sync: bool = False,
         ft_manager: Any = None,
+        ddp_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        if isinstance(timeout, timedelta):
-            timeout = timeout.total_seconds()
-        parsed = parse_precision(precision)
-        if policy == "default":
-            policy = AutocastPolicy(parsed)
-        elif isinstance(policy, str):
-            raise ValueError(f"policy={policy!r}: pass an AutocastPolicy, 'default' or None")
-        self.config = AMPConfig(
-            precision=parsed,
-            strategy=strategy,
+        self.config = make_config(
+            precision,
             policy=policy,
+            timeout=timeout,
+            device=device,
+            strategy=strategy,
             comm_hook=comm_hook,
             hsdp_shard_size=hsdp_shard_size,
             mesh=mesh,
             grad_accum_steps=grad_accum_steps,
             max_grad_norm=max_grad_norm,
             scaler=scaler,
-            timeout=timeout,
-            device=parse_device(device),
             trust_ddp_sync=trust_ddp_sync,
             ft_manager=ft_manager,
             trace_nonfinite=trace_nonfinite,
             numerics_interval=numerics_interval,
+            ddp_kwargs=ddp_kwargs,
         )
         self.strategy, self.mp_owner, self.device = strategy, "none", torch.device("cpu")
         self.scaler = scaler if scaler is not None else DistributedGradScaler("cpu", enabled=False)
@@ -283,6 +282,7 @@ class DistAMP(RunLoop):
                 fsdp_dtype=fsdp_dtype,
                 policy=cfg.policy if self.strategy in SHARDED else None,
                 hsdp_shard_size=cfg.hsdp_shard_size,
+                ddp_kwargs=cfg.ddp_kwargs,
             )
         )
         if ft is not None:  # the engine votes and starts quorums: torchft's wrapper would too
@@ -350,7 +350,7 @@ class DistAMP(RunLoop):
         skip gradient communication (DDP/FSDP1 ``no_sync``, FSDP2's gradient sync flag)."""
         if self.is_last_micro_step or self.strategy == "none":
             return nullcontext()
-        return gradient_sync_disabled(self.model)
+        return gradient_sync_disabled(self.model, first=self.cycle.first)
 
     def backward(self, loss: torch.Tensor, *, tokens: int = 0) -> None:
         """Scale ``loss``, divide it by ``grad_accum_steps`` and backpropagate. No host sync.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -87,6 +87,7 @@ def apply_strategy(
     fsdp_dtype: torch.dtype | None = None,
     policy: AutocastPolicy | None = None,
     hsdp_shard_size: int | None = None,
+    ddp_kwargs: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Wrap ``model`` (already on ``device``) for a resolved ``strategy``.
 
@@ -100,6 +101,8 @@ def apply_strategy(
         policy: a precision policy; FSDP then gathers each unit in the policy's dtypes, fp32
             modules in their own fp32 units (on every device: the policy owns the dtypes).
         hsdp_shard_size: ranks per shard group for ``"hsdp"``.
+        ddp_kwargs: keyword arguments of :func:`apply_ddp` for ``"ddp"`` (checked by
+            :func:`~distamp.parallel.ddp.ddp_options`); ignored by the other strategies.
 
     Raises:
         ValueError: unknown strategy, or a distributed strategy without a process group.
@@ -117,7 +120,7 @@ def apply_strategy(
             "distamp.init_distributed() first, or use strategy='none' for one process"
         )
     if strategy == "ddp":
-        return apply_ddp(model, device=device)
+        return apply_ddp(model, device=device, **(ddp_kwargs or {}))
     if strategy == "fsdp":
         mp1 = fsdp1_mixed_precision(fsdp_dtype) if fsdp_dtype is not None else None
         return apply_fsdp1(model, device=device, mp_policy=mp1, precision_policy=policy)
@@ -141,16 +144,25 @@ def _fsdp2_no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
-def gradient_sync_disabled(model: nn.Module) -> AbstractContextManager[None]:
+def gradient_sync_disabled(
+    model: nn.Module, *, first: bool = False
+) -> AbstractContextManager[None]:
     """A context in which backward accumulates local gradients without communicating.
 
     DDP and FSDP1 have ``no_sync()``; FSDP2 has ``set_requires_gradient_sync(False)`` (restored on
     exit). Unwrapped modules need nothing. Forward and backward must both run inside it.
+
+    ``first``: no backward has run on ``model`` yet. A DDP built with ``static_graph=True``
+    records its graph in that backward, which must communicate (under ``no_sync`` torch 2.13
+    fails an internal assert in its reducer), so that one micro-batch is all-reduced. The step's
+    gradient is the same average: the next synced micro-batch averages what it adds.
     """
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
         return _fsdp2_no_sync(model)
+    if first and getattr(model, "static_graph", False) is True:
+        return nullcontext()
     no_sync = getattr(model, "no_sync", None)
     return no_sync() if callable(no_sync) else nullcontext()
 
