@@ -8,13 +8,20 @@ with each hook: ``"fp32"`` (DDP's own all-reduce, counted), ``"bf16"``, ``"fp16"
 - bytes each rank sends for gradients per step (payload and scales together), counted from the
   tensors handed to the collectives (every call is wrapped; ring volumes: an all-reduce of B
   bytes sends ``2 (w-1)/w B``, an all-to-all ``(w-1)/w B``, an all-gather of a B-byte part
-  ``(w-1) B``), and the ratio to fp32's;
+  ``(w-1) B``) over the timed steps (after ``--skip``: PowerSGD all-reduces plainly for its
+  first 10 steps), and the ratio to fp32's;
 - the relative error of one reduced gradient against the exact fp32 average of the same
   gradients (the second backward of the same weights and data: PowerSGD's first is plain);
-- host time per step (median, steps interleaved with nothing: each hook in its own run);
+- host time per step (median after the first ``--skip`` steps, steps interleaved with nothing:
+  each hook in its own run);
 - the held-out loss at the end, and its ratio to fp32's.
 
-Run: ``python benchmarks/grad_compression.py [--steps 100] [--worlds 2 4]``.
+Run: ``python benchmarks/grad_compression.py [--steps 100] [--worlds 2 4]``. ``--size medium``
+(``launch/model.py``'s ``SIZES``: 21M parameters, four DDP buckets at the default cap instead of
+the tiny model's one) measures the hooks where a step sends several buckets; on a CPU a dozen
+steps are enough for bytes, error and step time
+(``--size medium --steps 12 --skip 10 --batch-size 4 --worlds 2``: PowerSGD compresses from its
+11th step); its loss after so few steps says little (the first steps swing it by a nat).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import distamp
 from distamp.cluster.spawn import run_ranks
 from distamp.parallel import fp8_comm
 from distamp.parallel.traffic import wire_bytes
-from launch.model import DATA_FILE, GPT, GPTConfig, ShardedText, lm_loss, load_text
+from launch.model import DATA_FILE, GPT, SIZES, GPTConfig, ShardedText, lm_loss, load_text
 
 HOOKS = ("fp32", "bf16", "fp16", "fp8", "fp8-ef", "powersgd")
 _HOOK_MODULES = ("distamp.parallel.comm_hooks", "distamp.parallel.fp8_comm")
@@ -88,14 +95,16 @@ def _grad_error(hook: str, rank: int, world: int, cfg: GPTConfig, batch: Any) ->
     return float((got - exact).norm() / exact.norm())
 
 
-def _worker(rank: int, world: int, steps: int) -> dict[str, Any]:
-    cfg, text = GPTConfig(), load_text(DATA_FILE)
+def _worker(
+    rank: int, world: int, steps: int, size: str, batch_size: int, skip: int
+) -> dict[str, Any]:
+    cfg, text = SIZES[size], load_text(DATA_FILE)
     device = torch.device("cpu")
     held_out = ShardedText(text, context=cfg.context, batch_size=64, rank=0, world_size=1,
                            seed=99, device=device).batch(0)  # fmt: skip
     out: dict[str, Any] = {}
     for hook in HOOKS:
-        data = ShardedText(text, context=cfg.context, batch_size=16, rank=rank,
+        data = ShardedText(text, context=cfg.context, batch_size=batch_size, rank=rank,
                            world_size=world, seed=0, device=device)  # fmt: skip
         error = _grad_error(hook, rank, world, cfg, data.batch(0))
         torch.manual_seed(0)
@@ -105,6 +114,8 @@ def _worker(rank: int, world: int, steps: int) -> dict[str, Any]:
         times = []
         try:
             for k in range(steps):
+                if k == skip:
+                    counter.bytes = 0  # the bytes of the timed steps only
                 t0 = time.perf_counter()
                 loss = lm_loss(amp.model, data.batch(k))
                 amp.backward_and_step(loss)
@@ -113,8 +124,8 @@ def _worker(rank: int, world: int, steps: int) -> dict[str, Any]:
             dist.all_reduce, dist.all_to_all_single, fp8_comm._all_gather = counter.real
         with torch.no_grad():
             final = float(lm_loss(amp.model, held_out))
-        out[hook] = {"bytes": counter.bytes / steps, "error": error,
-                     "ms": statistics.median(times[3:]) * 1e3, "loss": final}  # fmt: skip
+        out[hook] = {"bytes": counter.bytes / (steps - skip), "error": error,
+                     "ms": statistics.median(times[skip:]) * 1e3, "loss": final}  # fmt: skip
         amp.close()
     return out
 
@@ -123,10 +134,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--worlds", type=int, nargs="*", default=[2, 4])
+    parser.add_argument("--size", choices=SIZES, default="tiny", help="the main job's --size")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
+    parser.add_argument(
+        "--skip", type=int, default=3, help="first steps left out of the step time (warm-up)"
+    )
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, cpu, gloo, main job's GPT, {args.steps} steps, fp32 compute")
+    if not 0 <= args.skip < args.steps:
+        parser.error(f"argument --skip: expected 0 <= --skip < --steps={args.steps}")
+    params = sum(p.numel() for p in GPT(SIZES[args.size]).parameters())
+    print(f"torch {torch.__version__}, cpu, gloo, main job's GPT --size {args.size} "
+          f"({params:,} parameters), batch {args.batch_size}, {args.steps} steps (step time: "
+          f"median after {args.skip}), fp32 compute")  # fmt: skip
     for world in args.worlds:
-        res = run_ranks(_worker, world, args.steps, timeout=3600, threads=1)[0]
+        run = (args.steps, args.size, args.batch_size, args.skip)
+        res = run_ranks(_worker, world, *run, timeout=3600, threads=1)[0]
         base = res["fp32"]
         print(f"\n{world} ranks")
         print(f"{'hook':9} {'bytes/step':>11} {'vs fp32':>8} {'grad err':>9} {'ms/step':>8} "

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "Block", "GPTConfig", "ShardedText", "lm_loss", "load_text"]
+__all__ = ["GPT", "SIZES", "Block", "GPTConfig", "ShardedText", "lm_loss", "load_text"]
 
 DATA_FILE = Path(__file__).resolve().parent / "data" / "coriolanus.txt"
 
@@ -33,6 +33,22 @@ class GPTConfig:
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
+
+
+SIZES: dict[str, GPTConfig] = {
+    # The default: every test and figure of the main job that names no size is this one.
+    "tiny": GPTConfig(),
+    # 0.9M parameters: a step in between, four blocks.
+    "small": GPTConfig(d_model=128, n_layers=4, n_heads=4),
+    # 21.5M parameters, 86 MB of fp32 gradients: four DDP buckets at DDP's default 25 MB cap
+    # (from the second step; DDP sends the first in one) and 13 FSDP2 units (12 blocks and the
+    # root), so that comm hooks, sharding and checkpoints run at the shape of a real job and not
+    # only on a one-bucket, three-unit toy (tests/test_train.py measures both counts).
+    "medium": GPTConfig(d_model=384, n_layers=12, n_heads=6),
+}
+"""The main job's model sizes (``launch/train.py --size``), one place for the job, the tests and
+the benchmarks, so that they all build exactly the same models. The context stays 64 bytes in
+each, so the same data file serves every size."""
 
 
 class Block(nn.Module):

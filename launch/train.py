@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `launch.model` (and a checkout)
 from distamp import (
     AutocastPolicy,
+    CheckpointError,
     DistAMP,
     ProgressPrinter,
     detect_environment,
@@ -49,7 +50,7 @@ from distamp.engine.config import AMPConfig
 from distamp.observe.metrics import WindowStats
 from distamp.parallel.strategies import COMM_HOOKS, STRATEGIES
 from distamp.precision.fp8_select import FP8_RECIPES
-from launch.model import DATA_FILE, GPT, GPTConfig, ShardedText, lm_loss, load_text
+from launch.model import DATA_FILE, GPT, SIZES, ShardedText, lm_loss, load_text
 
 QUIET_RANK_WAIT_S = 20.0  # the longest a rank waits for local rank 0 to report a usage error
 
@@ -73,6 +74,7 @@ SUMMARY_FIELDS: dict[str, str] = {
     "tokens_per_s": "training tokens per second, all ranks together",
     "grad_bytes": "bytes rank 0 sent for gradients per step, scales included (null: not counted)",
     "world_size": "number of ranks",
+    "size": "the model trained (--size: tiny, small or medium)",
     "precision": "the precision trained in",
     "fp8_layers": "Linear layers converted to float8 (fp8 only)",
     "strategy": "the data-parallel wrapper chosen (ddp, fsdp, ...; none for one process)",
@@ -106,6 +108,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add = p.add_argument
     add("--steps", type=int_arg(1), default=300, help="optimizer steps (the LR schedule's length)")
     add(
+        "--size",
+        choices=SIZES,
+        default="tiny",
+        help="the model: tiny (2 layers, 64 wide), small (4 x 128) or medium (12 x 384, 21.5M "
+        "parameters: four DDP buckets, 13 FSDP2 units)",
+    )
+    add(
         "--precision", type=_precision, default="fp16", help="fp16 | bf16 | fp32 | fp8, 16-mixed..."
     )
     add("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise", help="fp8 scaling recipe")
@@ -113,8 +122,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--fp8-min-features",
         type=int_arg(0),
         default=64,
-        help="fp8: smallest in/out features of a float8 Linear (distamp's default is 2048; this "
-        "model is 64 wide, so 64 puts every Linear of it in fp8)",
+        help="fp8: smallest in/out features of a float8 Linear (distamp's default is 2048; the "
+        "models are 64 wide or wider, so 64 puts every Linear of every --size in fp8)",
     )
     add("--strategy", choices=STRATEGIES, default="auto", help="data-parallel strategy")
     add(
@@ -160,7 +169,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             p.error(f"launcher environment: {exc}")
         _check_comm_hook(p, args, world)
-        _check_data(p, args.data, args.batch_size * world + GPTConfig().context + 1)
+        _check_data(p, args.data, args.batch_size * world + SIZES[args.size].context + 1)
     return args
 
 
@@ -257,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
     torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
     torch.manual_seed(args.seed)  # identical init on every rank (FSDP does not broadcast it)
-    cfg = GPTConfig()
+    cfg = SIZES[args.size]
     # fp8 takes its layer selection from a precision policy (fp32 norms and softmax included).
     policy = (
         AutocastPolicy(
@@ -290,7 +299,19 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         device=amp.device,
     )
-    resumed = amp.load_state(args.out) if args.resume else False
+    try:
+        resumed = amp.load_state(args.out) if args.resume else False
+    except CheckpointError as exc:
+        # The engine refuses a checkpoint that does not fit (another --size: other shapes) on
+        # every rank alike, before anything is loaded: a usage error printed once, not a
+        # traceback from every rank.
+        if env.rank == 0:
+            print(f"{Path(sys.argv[0]).name}: error: argument --resume: {exc} (this run builds "
+                  f"--size {args.size}; resume with the --size that wrote it)",
+                  file=sys.stderr)  # fmt: skip
+        amp.close()
+        shutdown_distributed()
+        return 2
     start_step, end = amp.step_count, min(args.steps, args.stop_at or args.steps)
     stop = stop_flag()
     printer = ProgressPrinter(end, jsonl=args.out / "metrics.jsonl" if args.out else None)
@@ -329,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_s": tokens * amp.world_size / wall if wall > 0 else None,
             "grad_bytes": _grad_bytes(stats),
             "world_size": amp.world_size,
+            "size": args.size,
             "precision": str(amp.precision),
             "fp8_layers": len(amp.fp8.converted) if amp.fp8 is not None else 0,
             "strategy": amp.strategy,

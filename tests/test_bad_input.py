@@ -391,12 +391,15 @@ def test_init_distributed_refuses_bad_variables_before_any_group(
 TRAIN_FLAGS = st.sampled_from(
     ["--steps", "--precision", "--strategy", "--grad-accum", "--max-grad-norm", "--seed",
      "--batch-size", "--lr", "--warmup", "--log-interval", "--checkpoint-interval", "--stop-at",
-     "--threads", "--timeout", "--fp8-recipe", "--fp8-min-features", "--data", "--comm-hook"]
+     "--threads", "--timeout", "--fp8-recipe", "--fp8-min-features", "--data", "--comm-hook",
+     "--size"]
 )  # fmt: skip
 ARG_VALUES = st.one_of(
     st.integers(-(2**40), 2**40).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(str),
-    st.sampled_from(["fp16", "fp17", "ddp", "rowwise", "abc", "", "/nonexistent", "launch", "fp8"]),
+    st.sampled_from(
+        ["fp16", "fp17", "ddp", "rowwise", "abc", "", "/nonexistent", "launch", "fp8", "medium"]
+    ),
 )
 
 

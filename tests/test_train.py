@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _dist import free_port, launcher_free_env
+import torch
+from _dist import free_port, launcher_free_env, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
@@ -96,10 +97,10 @@ def test_single_process() -> None:
     assert result["grad_bytes"] is None  # one process: nothing sent, nothing counted
 
 
-def _params() -> int:
-    from launch.model import GPT, GPTConfig
+def _params(size: str = "tiny") -> int:
+    from launch.model import GPT, SIZES
 
-    return sum(p.numel() for p in GPT(GPTConfig()).parameters())
+    return sum(p.numel() for p in GPT(SIZES[size]).parameters())
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun is not on PATH")
@@ -125,3 +126,98 @@ def test_help_explains_every_summary_field_and_where_outputs_go() -> None:
     assert "nothing is written to disk unless --out DIR" in out
     for field, meaning in SUMMARY_FIELDS.items():
         assert f"  {field}" in out and meaning in out.replace("\n", " "), field
+
+
+def _medium_units(rank: int, world: int) -> tuple[list[int], list[int], int]:
+    """The medium model as the engine wraps it: the DDP buckets its gradients travel in (first
+    and second backward) and the number of FSDP2 units.
+
+    The buckets are counted by a comm hook recording ``bucket.index()`` (DDP calls the hook once
+    per bucket): with the default cap, DDP sends the first backward in one bucket and rebuilds
+    its buckets from the order the gradients arrived in, so the second backward shows the
+    buckets every later step uses."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from distamp import DistAMP
+    from distamp.parallel.ddp import apply_ddp
+    from launch.model import GPT, SIZES, lm_loss
+
+    torch.manual_seed(0)
+    ddp = apply_ddp(GPT(SIZES["medium"]), device=torch.device("cpu"))  # the default 25 MB cap
+    seen: list[int] = []
+
+    # Unannotated: DDP checks a hook's annotations against the real classes, and this file's
+    # annotations are strings (``from __future__ import annotations``).
+    def record(_state, bucket):  # type: ignore[no-untyped-def]
+        seen.append(bucket.index())
+        work = dist.all_reduce(bucket.buffer().div_(world), async_op=True)
+        assert work is not None
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    ddp.register_comm_hook(None, record)
+    x = torch.randint(0, 256, (2, SIZES["medium"].context))
+    buckets = []
+    for _ in range(2):
+        seen.clear()
+        lm_loss(ddp, (x, x)).backward()
+        buckets.append(sorted(set(seen)))
+    torch.manual_seed(0)
+    amp = DistAMP("fp16", strategy="fsdp2", device="cpu")
+    amp.setup(GPT(SIZES["medium"]), lambda params: torch.optim.AdamW(params))
+    units = sum(isinstance(m, FSDPModule) for m in amp.model.modules())
+    amp.close()
+    return buckets[0], buckets[1], units
+
+
+def test_medium_size_spans_ddp_buckets_and_fsdp2_units() -> None:
+    """``--size medium`` is the shape a comm hook, a sharding path or a checkpoint must meet:
+    over 10M parameters, four or more DDP buckets at DDP's default cap, twelve or more FSDP2
+    units. Measured on the objects the engine builds, on 2 gloo ranks."""
+    params = _params("medium")
+    first, later, units = run_ranks(_medium_units, 2, timeout=240)[0]
+    print(f"medium: {params:,} parameters, DDP buckets {len(first)} then {len(later)}, "
+          f"FSDP2 units {units}")  # fmt: skip
+    assert params >= 10_000_000
+    assert later == list(range(len(later))) and len(later) >= 4, later
+    assert units >= 12 and units == 12 + 1, units  # each of model.blocks, and the root
+
+
+def test_medium_size_trains_on_two_ranks() -> None:
+    result = _torchrun("--size", "medium", "--steps", "2", "--batch-size", "2",
+                       "--log-interval", "1")  # fmt: skip
+    assert result["size"] == "medium" and result["steps"] == 2 and result["world_size"] == 2
+    assert result["skipped_steps"] == 0 and result["final_loss"] < 5.6  # from ln(256) = 5.55
+    assert result["grad_bytes"] == 4 * _params("medium")  # DDP's fp32 all-reduce, every bucket
+    print(f"medium, fp16 DDP, 2 ranks, batch 2: {result['train_s'] / 2:.2f} s/step")
+
+
+def test_size_flag_parses_and_refuses_unknown_sizes() -> None:
+    import contextlib
+    import io
+
+    from launch.model import SIZES, GPTConfig
+    from launch.train import parse
+
+    assert SIZES["tiny"] == GPTConfig() and parse([]).size == "tiny"  # the default run
+    assert parse(["--size", "small"]).size == "small"
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exc:
+        parse(["--size", "huge"])
+    assert exc.value.code == 2 and "argument --size: invalid choice: 'huge'" in stderr.getvalue()
+
+
+def test_resume_with_another_size_is_a_usage_error(tmp_path: Path) -> None:
+    """A checkpoint of one size does not fit another (other shapes): refused before anything
+    loads, as a usage error (exit 2) that names --size, not a traceback."""
+    ckpt = str(tmp_path / "ckpt")
+    _run([sys.executable, TRAIN, "--steps", "1", "--precision", "bf16", "--out", ckpt])
+    done = subprocess.run(
+        [sys.executable, TRAIN, "--steps", "2", "--precision", "bf16", "--out", ckpt,
+         "--resume", "--size", "small"],
+        cwd=REPO, env=launcher_free_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "error: argument --resume:" in done.stderr and "--size small" in done.stderr
+    assert "does not fit this model" in done.stderr and "Traceback" not in done.stderr
+    assert not done.stdout.strip()
