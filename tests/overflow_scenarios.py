@@ -192,6 +192,7 @@ def run_case(rank: int, world: int, case: Case) -> dict[str, Any]:
         comm_hook=hook,
         grad_accum_steps=case.accum,
         device="cpu",
+        hsdp_shard_size=1 if case.strategy == "hsdp" else None,  # 2 replicas of 1 shard
         **({"ddp_kwargs": case.ddp_kwargs} if case.ddp_kwargs else {}),
     )
     model, opt = amp.setup(net, lambda params: torch.optim.AdamW(params, lr=1e-3))

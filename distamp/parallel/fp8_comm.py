@@ -7,11 +7,11 @@ overflow itself:
 1. **Scales, agreed before quantising.** Each gradient of the bucket is cut into chunks of
    ``chunk`` elements (per gradient, so that the result does not depend on how DDP orders the
    bucket: it orders its first step's buckets differently from the later ones'); one MAX
-   all-reduce agrees on every chunk's largest magnitude (a NaN counts as an inf, so the same
-   vector says whether any rank's raw bucket holds an inf/NaN). Each chunk's scale is the power
-   of two that puts ``world * amax`` at or under the format's maximum, so a sum of every rank's
-   quantised values cannot overflow and a chunk of small gradients keeps its precision (powers
-   of two scale exactly).
+   all-reduce agrees on every chunk's largest magnitude (+inf, -inf and NaN all count as
+   +inf, so the same vector says whether any rank's raw bucket holds one). Each chunk's scale
+   is the power of two that puts ``world * amax`` at or under the format's maximum, so a sum
+   of every rank's quantised values cannot overflow and a chunk of small gradients keeps its
+   precision (powers of two scale exactly).
 2. **Reduce in fp32, send in 8 bits** (the two-phase exchange of ZeRO++'s quantised gradients):
    an all-to-all hands every rank its shard of every rank's quantised bucket; the rank
    dequantises and sums them in fp32, averages, quantises the average with its chunks' scales
