@@ -9,7 +9,8 @@ Rank 0 draws a progress line on stderr and prints ONE JSON object as its last st
 The same seed gives the same final loss whichever launcher started the ranks; ``--out DIR
 --resume`` continues from the last checkpoint to the same final state, bitwise on CPU. SIGUSR1 or
 SIGTERM (a scheduler's "time is nearly up") makes every rank stop at the next logging step, save
-to ``--out`` and exit 0, which is what the sbatch scripts in ``multinode/`` rely on to requeue.
+to ``--out`` and exit 0, which is what the sbatch scripts in ``multinode/`` rely on to requeue;
+SIGINT (Ctrl-C) does the same and exits 130 (a second Ctrl-C interrupts at once).
 
 The precision defaults to fp16 so that every default run exercises the loss scaler, the piece of
 distamp that bf16 does not need. On CPUs without fp16 matrix units that is ~8x slower than fp32,
@@ -80,7 +81,7 @@ SUMMARY_FIELDS: dict[str, str] = {
     "strategy": "the data-parallel wrapper chosen (ddp, fsdp, ...; none for one process)",
     "launcher": "the launcher family detected (torchrun, mpirun, srun, single)",
     "resumed_from": "the step the run resumed from (null: a fresh run)",
-    "stopped_by_signal": "true if SIGUSR1/SIGTERM stopped it early (after saving)",
+    "stopped_by_signal": "true if SIGUSR1/SIGTERM/SIGINT stopped it early (after saving)",
     "train_s": "wall-clock seconds of the training loop",
 }
 """The fields of the JSON summary line, in order, with what each means (``--help`` lists them)."""
@@ -159,8 +160,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args = p.parse_args(argv)
         if args.resume and args.out is None:
             p.error("argument --resume: needs --out DIR (where the checkpoints are)")
-        if args.out is not None and args.out.exists() and not args.out.is_dir():
-            p.error(f"argument --out: {str(args.out)!r} exists and is not a directory")
+        if args.out is not None:
+            _check_out(p, args.out)
         if args.stop_at is not None and args.stop_at > args.steps:
             p.error(f"argument --stop-at: expected a step in [1, --steps={args.steps}], "
                     f"got {args.stop_at}")  # fmt: skip
@@ -191,6 +192,22 @@ def _one_voice_per_node(local_rank: int | None) -> Iterator[None]:
             # ends this rank as soon as local rank 0 has exited with the same error.
             time.sleep(QUIET_RANK_WAIT_S)
         raise
+
+
+def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
+    """--out must be a directory, or a path whose nearest existing ancestor is a writable
+    directory (the run creates the rest): found now, not after training at the first save."""
+    if out.exists() and not out.is_dir():
+        p.error(f"argument --out: {str(out)!r} exists and is not a directory")
+    base = out.absolute()
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        p.error(f"argument --out: {str(out)!r} cannot be created: {str(base)!r} is a file, "
+                "not a directory")  # fmt: skip
+    if not os.access(base, os.W_OK | os.X_OK):
+        p.error(f"argument --out: {str(out)!r} cannot be created: {str(base)!r} is not "
+                "writable")  # fmt: skip
 
 
 def _check_data(p: argparse.ArgumentParser, path: Path, needed: int) -> None:
@@ -243,23 +260,35 @@ def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
     return factor
 
 
-def stop_flag() -> threading.Event:
-    """An event set by SIGUSR1/SIGTERM: the engine polls it and all ranks stop together."""
-    event = threading.Event()
+class StopFlag:
+    """Set by SIGUSR1, SIGTERM or SIGINT: the engine polls it and all ranks stop together at
+    the next logging step, after saving when --out is given. SIGINT (Ctrl-C) is a request like
+    the others, not a KeyboardInterrupt traceback from every rank; a second SIGINT interrupts
+    at once. ``exit_code``: 130 after SIGINT (a shell's code for an interrupted command, so
+    scripts still see the interruption), 0 after the others (the job saved as asked)."""
 
-    def handler(signum: int, _frame: FrameType | None) -> None:
-        event.set()
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.exit_code = 0
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGINT:
+            self.exit_code = 128 + signal.SIGINT
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the next one interrupts
+        self.event.set()
         print(
             f"\nsignal {signal.Signals(signum).name}: saving at the next log step", file=sys.stderr
         )
 
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, handler)
-    return event
+    def is_set(self) -> bool:
+        return self.event.is_set()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    stop = StopFlag()  # before the group starts: a signal during setup is a request too
     env = init_distributed(timeout=args.timeout)
     # Same thread count under every launcher (torchrun sets OMP_NUM_THREADS=1, mpirun does not):
     # CPU kernels may split reductions by thread, so this is part of the determinism.
@@ -313,7 +342,6 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_distributed()
         return 2
     start_step, end = amp.step_count, min(args.steps, args.stop_at or args.steps)
-    stop = stop_flag()
     printer = ProgressPrinter(end, jsonl=args.out / "metrics.jsonl" if args.out else None)
     main_rank = env.rank == 0
     if main_rank:
@@ -364,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary), flush=True)
     amp.close()  # releases the wrapped model, which holds the process group
     shutdown_distributed()  # the group came from init_distributed above
-    return 0
+    return stop.exit_code
 
 
 if __name__ == "__main__":

@@ -454,6 +454,22 @@ def test_main_job_comm_hook_against_the_strategy_is_a_usage_error(
     assert parse(["--comm-hook", "fp8", "--strategy", "fsdp2"]).comm_hook == "fp8"
 
 
+def test_main_job_out_that_cannot_be_a_directory_is_a_usage_error(tmp_path: Path) -> None:
+    """--out under a regular file (or the file itself) stops the parser, before training and
+    not at the first save; a directory that does not exist yet is fine."""
+    from launch.train import parse
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for out in (blocker, blocker / "sub", blocker / "sub" / "deeper"):
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exc:
+            parse(["--out", str(out)])
+        assert exc.value.code == 2 and "argument --out" in stderr.getvalue(), stderr.getvalue()
+        assert "not a directory" in stderr.getvalue() or "is a file" in stderr.getvalue()
+    assert parse(["--out", str(tmp_path / "new" / "run")]).out == tmp_path / "new" / "run"
+
+
 LAUNCH_FLAGS = st.sampled_from(["--nnodes", "--nproc-per-node", "--node-rank", "--rdzv-endpoint"])
 
 

@@ -8,6 +8,7 @@ ranks that record their pids and wait), signals the launcher alone, and checks w
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -194,3 +195,32 @@ def test_usage_error_printed_once(launches: list[Launch]) -> None:
     assert output.count("usage: train.py") == 1, output
     assert output.count("error: argument --steps") == 1, output
     assert "Traceback" not in output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ctrl_c_saves_and_exits_130(launches: list[Launch], tmp_path: Path) -> None:
+    """SIGINT to ``distamp launch ... launch/train.py --out DIR``: handled like SIGTERM (every
+    rank stops at the next logging step after saving), exit 130 so that a shell still sees an
+    interrupted command, and no KeyboardInterrupt traceback from the ranks."""
+    out = tmp_path / "run"
+    launch = Launch(
+        ["--nproc-per-node", "2", "launch/train.py", "--steps", "200", "--log-interval", "1",
+         "--threads", "1", "--out", str(out)]
+    )  # fmt: skip
+    launches.append(launch)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + START_S
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        if launch.proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no progress from the job:\n{launch.finish()}")
+        time.sleep(0.1)
+    launch.pids.update(child_pids(launch.proc.pid))
+    launch.proc.send_signal(signal.SIGINT)
+    output = launch.finish(timeout=END_S + 30)
+    assert launch.proc.returncode == 130, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+    summary = json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
+    assert summary["stopped_by_signal"] and 2 <= summary["steps"] < 200, summary
+    assert (out / "latest.json").exists(), sorted(p.name for p in out.iterdir())
+    assert "SIGINT passed to the job; exit code 130" in output
