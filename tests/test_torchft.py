@@ -388,15 +388,16 @@ def test_fsdp2_inside_replica_groups_agrees_across_replicas(both_replicas: _Repl
 
 @pytest.mark.parametrize("hook", ["fp8", "fp8-ef"])
 def test_engine_fp8_across_replicas_skips_together(both_replicas: _Replicas, hook: str) -> None:
-    """``comm_hook="fp8"`` across torchft replicas: an inf in replica 1's loss (inside its
-    buckets: the cast to fp8 would saturate it) and one written into its gradient after the
-    exchange make both replicas skip exactly those steps; the error-feedback residuals are
-    zero after the first; the replicas end bitwise equal; the bytes are counted."""
+    """``comm_hook="fp8"`` across torchft replicas: one element of -inf in replica 1's raw
+    gradient during backward (inside its bucket: the cast to fp8 would saturate it) and an inf
+    written into its gradient after the exchange make both replicas skip exactly those steps;
+    the error-feedback residuals are zero after the first; the replicas end bitwise equal; the
+    bytes are counted."""
     both = [both_replicas.ready("r0"), both_replicas.ready("r1")]
     common = ["--engine", "--comm-hook", hook, "--width", "256"]  # chunk padding: a small part
     out0 = both_replicas.start(0, "r0", *common, "--ready", both[0], "--wait-for", *both)
     out1 = both_replicas.start(1, "r1", *common, "--ready", both[1], "--wait-for", *both,
-                               "--inf-loss-at", "3", "--inf-at", "6")  # fmt: skip
+                               "--neg-inf-element-at", "3", "--inf-at", "6")  # fmt: skip
     both_replicas.wait(0)
     both_replicas.wait(1)
     a, b = _load(out0), _load(out1)

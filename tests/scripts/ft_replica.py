@@ -65,6 +65,9 @@ def main() -> None:
     ap.add_argument("--inf-loss-at", type=int, nargs="*", default=[],
                     help="with --engine: an inf in this replica's loss (inside its gradient "
                     "buckets, before the exchange) at those steps")  # fmt: skip
+    ap.add_argument("--neg-inf-element-at", type=int, nargs="*", default=[],
+                    help="with --engine: one element of this replica's raw gradient set to -inf "
+                    "during backward (before the exchange) at those steps")  # fmt: skip
     ap.add_argument("--gpt", action="store_true",
                     help="with --engine: the main job's GPT in fp32 on this replica's shard of "
                     "the text; the held-out loss at the end")  # fmt: skip
@@ -223,10 +226,15 @@ def _engine_loop(args: argparse.Namespace, manager, model, inner, ready_at: floa
                 loss = nn.functional.mse_loss(ddp(x).float(), y)
         if step in args.inf_loss_at:
             loss = loss * float("inf")
+        poisoned = step in args.neg_inf_element_at
+        hook = next(model.parameters()).register_hook(_neg_inf_element) if poisoned else None
         amp.backward(loss)
+        if hook is not None:
+            hook.remove()
         if step in args.inf_at:
             next(model.parameters()).grad[0, 0] = float("inf")
-        if step in args.inf_loss_at and getattr(amp.comm_hook_state, "error_feedback", False):
+        nonfinite_bucket = step in args.inf_loss_at or poisoned
+        if nonfinite_bucket and getattr(amp.comm_hook_state, "error_feedback", False):
             kept = amp.comm_hook_state.residuals  # written by this step's exchange
             residuals_reset.append(bool(kept) and all(bool((r == 0).all()) for r in kept.values()))
         result = amp.step()
@@ -253,6 +261,13 @@ def _engine_loop(args: argparse.Namespace, manager, model, inner, ready_at: floa
     manager.shutdown(wait=False)
     sys.stdout.flush()
     os._exit(0)
+
+
+def _neg_inf_element(grad: torch.Tensor) -> torch.Tensor:
+    """One element of the raw gradient set to -inf, as one overflowing product would."""
+    grad = grad.clone()
+    grad.view(-1)[0] = float("-inf")
+    return grad
 
 
 def _gpt_batches(replica: int, held_out: bool = False):  # a batch(k) function
