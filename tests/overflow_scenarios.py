@@ -21,6 +21,7 @@ and read what each rank decided and applied.
 from __future__ import annotations
 
 import sys
+import time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,6 +212,7 @@ def run_case(rank: int, world: int, case: Case) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     for step in range(case.steps):
         scale = float(amp.scaler.get_scale())
+        began = time.perf_counter()
         for t in taps:
             t.seen.clear()
         handed.clear()
@@ -223,7 +225,7 @@ def run_case(rank: int, world: int, case: Case) -> dict[str, Any]:
                 with amp.autocast():
                     loss = loss_of(model, step * case.accum + micro, rank)
                 amp.backward(loss)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         # the raw gradient's largest element: per micro-batch the largest over the taps, summed
         # over the micro-batches (the accumulated element is at most that), in unscaled units
         per_micro = [max(t.seen[m] for t in taps if len(t.seen) > m) for m in range(case.accum)]
@@ -240,6 +242,7 @@ def run_case(rank: int, world: int, case: Case) -> dict[str, Any]:
                 "handed": handed[0] if handed else None,
                 "scale": scale,
                 "loss": sum(losses) / len(losses),
+                "seconds": time.perf_counter() - began,
             }
         )
     finite, prints = _digest(model)

@@ -48,18 +48,23 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
 
     The canonical loop is torch's, unchanged::
 
-        scaler = distamp.DistributedGradScaler("cuda")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        scaler = distamp.DistributedGradScaler(device)
         for x, y in loader:
             optimizer.zero_grad()
-            with torch.autocast("cuda", dtype=torch.float16):
+            with torch.autocast(device, dtype=torch.float16):
                 loss = loss_fn(model(x), y)
             scaler.scale(loss).backward()
             scaler.step(optimizer)  # skipped on EVERY rank if any rank saw an inf/NaN
             scaler.update()
 
     Args:
-        device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in
-            :class:`torch.amp.GradScaler`, with the same defaults.
+        device: where the scale lives; this and the next five are :class:`torch.amp.GradScaler`'s.
+        init_scale: the first loss scale.
+        growth_factor: what the scale is multiplied by after ``growth_interval`` clean steps.
+        backoff_factor: what the scale is multiplied by after an overflow.
+        growth_interval: consecutive steps without an overflow before the scale grows.
+        enabled: ``False``: ``scale()`` returns the loss, ``step()`` calls ``optimizer.step()``.
         hysteresis: overflows tolerated before backing off. The counter drops by one per overflow
             and the scale backs off once it reaches zero (and on every further overflow); it is
             refilled only when the scale grows (Megatron-LM's rule). ``1`` is torch's behaviour.
@@ -70,22 +75,18 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
             torch, so the scale follows torch's trajectory.
         process_group: the ranks that must agree. ``None`` (default): every rank of the job, in
             one collective over the default group, whatever meshes the parameters live on (data,
-            tensor, pipeline and expert parallelism alike). A ``ProcessGroup`` or ``DeviceMesh``
-            narrows it: right only when those ranks train a model of their own, independent of
-            the other ranks of the job, as does any object with a process group's ``rank()``
-            and ``size()`` (torch's duck typing: :func:`distamp.parallel.topology.is_group_like`).
-            A ``torchft.Manager``: fault-tolerant replica groups
+            tensor, pipeline and expert parallelism alike). A ``ProcessGroup``, a ``DeviceMesh``
+            or any object with ``rank()`` and ``size()`` narrows it: right only when those ranks
+            train a model of their own. A ``torchft.Manager``: fault-tolerant replica groups
             (:mod:`distamp.parallel.replicas`). Anything else: ``TypeError``.
         sync_free: ``step()`` never waits for the device: the skip is decided on device, through
             the optimizer's ``found_inf`` argument (fused optimizers) or a masked update.
-        check_only: for bf16 and fp32 training, which need no loss scaling: ``scale()`` returns
-            the loss unchanged, ``unscale_`` only checks (one read, no write), the scale stays 1,
-            and a step whose gradients hold an inf/NaN is still skipped on every rank, counted and
-            reported. Clipping keeps its single pass.
+        check_only: for bf16 and fp32, which need no loss scaling: ``scale()`` returns the loss,
+            ``unscale_`` only checks (one read, no write), the scale stays 1, and a step whose
+            gradients hold an inf/NaN is still skipped on every rank, counted and reported.
         report_overflow: keep one non-finite flag per gradient tensor, raised by the unscale pass
-            itself and kept on device, for :meth:`overflow_report`. Free with the Triton kernel
-            and for fused optimizers; the torch reference's in-place unscale then checks and
-            writes in two passes instead of one.
+            itself, on device, for :meth:`overflow_report`. Free with the Triton kernel and fused
+            optimizers; the torch reference's in-place unscale then takes two passes, not one.
 
     Collectives: one per iteration that has unreduced flags, whatever the number of optimizers
     (their flags, and a clipping norm, are packed together when the first of them needs the
