@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import medium_scenarios as medium
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,6 +158,27 @@ def test_static_fp16_names_the_module_and_stalls() -> None:
     assert set(stats.underflow) == {n for n, _ in net.named_parameters()}
     metrics = stats.as_metrics()
     assert metrics["numerics/skips"] == 2.0 and "numerics/headroom/hot" in metrics
+    amp.close()
+
+
+def test_embedding_underflow_counts_the_rows_looked_up() -> None:
+    """A batch that looks up 4 of 256 rows leaves the other rows' gradient zero by
+    construction: the embedding's underflow is measured over the 4 rows (0 here), not 98% of
+    the weight. A Linear's exact zeros still count."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(256, 8), nn.Linear(8, 4))
+    with torch.no_grad():
+        net[1].weight[0] = 0.0  # output 0 unused: its weight row's gradient is zero
+    amp = distamp.DistAMP("fp16", strategy="none", numerics_interval=1)
+    amp.setup(net, lambda p: torch.optim.SGD(p, lr=1e-3))
+    idx = torch.tensor([[3, 7, 7, 40, 200]])
+    with amp.autocast():
+        loss = amp.model(idx)[..., 1:].float().square().mean()
+    amp.backward_and_step(loss)
+    stats = amp.numerics()
+    assert stats is not None and stats.step == 1
+    assert stats.underflow["0.weight"] == 0.0, stats.underflow
+    assert stats.underflow["1.weight"] == 0.25, stats.underflow  # a Linear: every element
     amp.close()
 
 
@@ -419,3 +441,39 @@ def test_tensor_parallel_promotes_on_every_rank_as_one_process_does() -> None:
         diff = (torch.tensor(got) - want.detach().flatten()).abs().max().item()
         assert diff < 1e-3, diff
     amp.close()
+
+
+def _medium_gpt(rank: int, world: int) -> dict[str, object]:
+    model = medium.gpt()
+    medium.make_spiky(model, 5, 1e6 if rank == 1 else 1.0)  # overflows on rank 1 alone
+    policy = AutocastPolicy("fp16", adaptive=AdaptiveRules(interval=1, skips=1))
+    amp = distamp.DistAMP("fp16", strategy="fsdp2", policy=policy, max_grad_norm=1.0, device="cpu")
+    amp.setup(model, medium.optimizer)
+    stepped = medium.train(amp, medium.data(rank, world), 0, 2)
+    stats = amp.numerics()
+    assert stats is not None and policy.adaptive is not None
+    out = {
+        "changes": [(c.step, c.module) for c in policy.adaptive.changes],
+        "stepped": stepped,
+        "digest": medium.digest(model),
+        "headroom": stats.headroom,
+        "underflow": stats.underflow,
+    }
+    amp.close()
+    return out
+
+
+@pytest.mark.slow
+def test_medium_gpt_promotes_one_linear_among_twelve_blocks() -> None:
+    """The main job's medium GPT under FSDP2 (13 units, 76 watched modules, 149 parameters),
+    ``blocks.5.fc`` overflowing on rank 1's forward only: promoted at the first report on both
+    ranks, the next step steps; the statistics agree and read sensibly."""
+    r0, r1 = run_ranks(_medium_gpt, 2, timeout=240)
+    assert r0["changes"] == r1["changes"] == [(1, "blocks.5.fc")]
+    assert r0["stepped"] == r1["stepped"] == [False, True]
+    assert r0["digest"] == r1["digest"]
+    assert r0["headroom"] == r1["headroom"] and r0["underflow"] == r1["underflow"]
+    headroom, underflow = r0["headroom"], r0["underflow"]
+    assert len(headroom) == medium.MODULES and len(underflow) == medium.PARAMS  # type: ignore[arg-type]
+    assert max(headroom.values()) < 1e-2  # type: ignore[union-attr]  # all finite, promoted
+    assert underflow["tok.weight"] < 0.05  # type: ignore[index]  # looked-up rows only

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import medium_scenarios as medium
 import pytest
 import torch
 import torch.nn.functional as F
@@ -459,3 +460,33 @@ def test_backward_scales_under_pipeline_parallelism() -> None:
     assert last["scaled"]["exponents"]["layers.2"] == 0, last  # type: ignore[index]
     for key in ("static", "scaled"):
         assert first[key]["skipped"] == last[key]["skipped"]  # type: ignore[index]
+
+
+def _medium_gpt(rank: int, world: int) -> dict[str, object]:
+    model = medium.gpt()
+    policy = AutocastPolicy("fp16", backward_scales=True)
+    amp = distamp.DistAMP("fp16", strategy="ddp", policy=policy, numerics_interval=2,
+                          max_grad_norm=1.0, device="cpu")  # fmt: skip
+    amp.setup(model, medium.optimizer)
+    stepped = medium.train(amp, medium.data(rank, world), 0, 6)
+    assert amp.adaptive is not None and amp.adaptive.scales is not None
+    changes = [(c.step, c.block, c.after) for c in amp.adaptive.scales.changes]
+    out = {"exponents": amp.adaptive.grad_exponents, "changes": changes, "stepped": stepped,
+           "digest": medium.digest(model)}  # fmt: skip
+    amp.close()
+    return out
+
+
+@pytest.mark.slow
+def test_medium_gpt_scales_its_blocks_alike_on_both_ranks() -> None:
+    """The main job's medium GPT under DDP: 16 blocks (embeddings, 12 transformer blocks, final
+    norm, head). By step 6 the attention's q/k weight gradients fall under fp16's normal range
+    (in fp32 too: 50-100% of them, times the loss scale), so the transformer blocks grow; the
+    embedding, whose gradient is zero on every byte a batch did not look up, does not."""
+    r0, r1 = run_ranks(_medium_gpt, 2, timeout=240)
+    assert r0 == r1
+    exponents = r0["exponents"]
+    assert tuple(exponents) == medium.BLOCKS  # type: ignore[arg-type]
+    grown = {b for b, k in exponents.items() if k > 0}  # type: ignore[attr-defined]
+    assert grown and grown <= {f"blocks.{i}" for i in range(12)}, r0["changes"]
+    assert all(r0["stepped"])  # type: ignore[arg-type]

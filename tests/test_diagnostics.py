@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import medium_scenarios as medium
 import pytest
 import torch
 from _dist import run_ranks
@@ -239,3 +240,42 @@ def test_a_resumed_engine_reports_no_overflow_for_a_clean_first_window(tmp_path:
     again.fit(lambda k: xs[k], loss_fn, steps=4, log_interval=1, on_log=logged.append)
     assert [s.skipped_steps for s in logged] == [1, 1]
     assert [s.overflow for s in logged] == [None, None]
+
+
+def _medium_gpt_overflow(rank: int, world: int) -> list[Any]:
+    """The medium GPT through the engine with tracing on; at the second step an inf appears in
+    ``blocks.7.fc``'s output on rank 1 alone."""
+    from distamp import DistAMP
+    from launch.model import lm_loss
+
+    model, forwards = medium.gpt(), [0]
+
+    def inject(_m: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor | None:
+        forwards[0] += 1
+        if rank != 1 or forwards[0] != 2:
+            return None
+        out = out.clone()
+        out.view(-1)[5] = INF
+        return out
+
+    model.blocks[7].fc.register_forward_hook(inject)
+    amp = DistAMP("fp16", strategy="ddp", device="cpu", trace_nonfinite=True, max_grad_norm=1.0)
+    amp.setup(model, medium.optimizer)
+    logged: list[Any] = []
+    batches = medium.data(rank, world).batch
+    amp.fit(batches, lm_loss, steps=2, log_interval=1, on_log=logged.append)
+    amp.close()
+    return [(s.step, s.skipped_steps, s.overflow) for s in logged]
+
+
+@pytest.mark.slow
+def test_medium_gpt_overflow_report_names_the_module_on_every_rank() -> None:
+    """On the medium GPT (149 parameters, every gradient NaN after DDP's all-reduce) the report
+    reaches both ranks, the same, and the forward trace names the one module and rank."""
+    r0, r1 = run_ranks(_medium_gpt_overflow, 2, timeout=240)
+    assert r0 == r1
+    assert [(step, skipped) for step, skipped, _ in r0] == [(1, 0), (2, 1)]
+    assert r0[0][2] is None
+    line = r0[1][2]
+    assert line.startswith("overflow at iteration 1: tok.weight") and "+146 more" in line, line
+    assert "first non-finite forward output: blocks.7.fc (rank 1)" in line, line

@@ -5,7 +5,8 @@ session with a hard timeout (a hung job is killed with all its processes). A SIG
 makes the agent stop the round and start a new one; the new workers resume from the last
 complete checkpoint through ``DistAMP.load_state``, and their final parameters, optimizer state
 and scaler state must equal an uninterrupted run's exactly (deterministic CPU settings, batches
-drawn by index).
+drawn by index). The main job's medium GPT (13 FSDP2 units) saves and resumes bitwise through
+the engine on 2 gloo ranks.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import medium_scenarios as medium
 import pytest
 import torch
-from _dist import launcher_free_env
+from _dist import launcher_free_env, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "tests" / "scripts" / "fault_train.py")
@@ -139,3 +141,46 @@ def test_sigkill_during_checkpoint_write_keeps_previous_checkpoint(
     assert result["round"] >= 1 and result["resumed_from"] == 8, result
     for rank, state in enumerate(_final_state(tmp_path)):
         _assert_bitwise_equal(state, reference[rank], f"rank {rank}")
+
+
+def _medium_gpt_resume(rank: int, world: int, directory: Path) -> dict[str, Any]:
+    """FSDP2: 2 steps, save, a 3rd step; a new engine loads the save and takes the 3rd step."""
+    from distamp import DistAMP
+
+    def warmup(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 4)
+
+    def engine() -> tuple[DistAMP, torch.nn.Module]:
+        model = medium.gpt()
+        amp = DistAMP("fp16", strategy="fsdp2", device="cpu", max_grad_norm=1.0)
+        amp.setup(model, medium.optimizer, warmup)
+        return amp, model
+
+    batches = medium.data(rank, world)
+    amp, model = engine()
+    medium.train(amp, batches, 0, 2)
+    saved = amp.save_state(directory)
+    medium.train(amp, batches, 2, 3)
+    whole = (medium.digest(model), amp.scaler.get_scale(), amp.scaler.skipped_steps)
+    amp.close()
+    amp, model = engine()
+    assert amp.load_state(directory) and amp.step_count == 2
+    medium.train(amp, batches, 2, 3)
+    resumed = (medium.digest(model), amp.scaler.get_scale(), amp.scaler.skipped_steps)
+    amp.close()
+    files = {str(f.relative_to(saved)): f.stat().st_size for f in saved.rglob("*") if f.is_file()}
+    return {"whole": whole, "resumed": resumed, "files": files}
+
+
+@pytest.mark.slow
+def test_medium_gpt_resumes_bitwise_under_fsdp2(tmp_path: Path) -> None:
+    """After the resumed step, the parameters (digest of the gathered tensors), loss scale and
+    skips equal those of the run that saved and went on; the sharded state holds parameters and
+    both AdamW moments once, split between the ranks' files."""
+    r0, r1 = run_ranks(_medium_gpt_resume, 2, tmp_path / "ckpt", timeout=240)
+    assert r0["whole"] == r1["whole"] == r0["resumed"] == r1["resumed"], (r0, r1)
+    params = sum(p.numel() for p in medium.gpt().parameters())
+    shards = [size for name, size in r0["files"].items() if name.endswith(".distcp")]
+    assert len(shards) == 2, r0["files"]
+    assert 3 * 4 * params <= sum(shards) <= 1.05 * 3 * 4 * params, (shards, params)
+    assert all(0.4 <= size / sum(shards) <= 0.6 for size in shards), shards

@@ -9,7 +9,10 @@ Per watched module (by default every module that holds parameters of its own) it
   (fp16 65504, bf16 3.4e38, float8 e4m3 448); 1.0 or more means it overflowed;
 - **underflow**: per parameter, the fraction of its scaled low-precision gradient elements that
   are zero or subnormal in the compute format (``|g| < finfo(compute_dtype).tiny``), measured
-  before unscaling;
+  before unscaling. An embedding's weight (``nn.Embedding``, ``nn.EmbeddingBag``) counts only
+  the rows the step looked up, taken as the rows with a nonzero element: the gradient of every
+  other row is zero by construction, not by the format (a byte-level GPT's batch of 64 bytes
+  leaves about 90% of its 256 rows untouched, which would read as 90% underflow);
 - **fp8 flush** (torchao float8 layers only): the fraction of the layer's nonzero input elements
   that torchao's dynamic tensorwise scaling (``448 / amax``) sends to zero in e4m3, i.e. with
   ``|x| * 448 / amax <= 2**-10`` (half e4m3's smallest subnormal, which rounds to zero). Dynamic
@@ -62,7 +65,8 @@ class NumericStats:
         headroom: module name -> max ``|output|`` since the previous report / the format's
             maximum (``inf`` when the output went non-finite).
         underflow: parameter name -> fraction of its gradient elements that are zero or
-            subnormal in the compute format, at this reporting step.
+            subnormal in the compute format, at this reporting step (an embedding's weight:
+            of the rows the step looked up).
         skips: ``(step, module)`` for each skipped step since the previous report; ``module``
             is the first watched module whose forward output went non-finite on any rank, or
             ``None`` when the forward was finite (a gradient-only overflow).
@@ -162,6 +166,12 @@ class NumericMonitor:
         self._fp8_slot = {i: k for k, i in enumerate(self._fp8)}
         self._flush: torch.Tensor | None = None  # [F] at a reporting step
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # Gradients zero on every row a step did not look up: underflow counts looked-up rows.
+        self._row_sparse = {
+            id(m.weight)
+            for _, m in model.named_modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+        }
         self._step_amax: torch.Tensor | None = None  # [M] this step's max |output|
         self._window_amax: torch.Tensor | None = None  # [M] since the last report
         self._order: list[int] = []  # module indices in forward completion order
@@ -245,10 +255,21 @@ class NumericMonitor:
                 fractions.append(torch.zeros((), device=self._device()))
                 continue
             local = g.to_local() if hasattr(g, "to_local") else g
-            n = max(local.numel(), 1)
-            low = (local.detach().abs() < self.tiny).sum(dtype=torch.float32) / n
+            if id(p) in self._row_sparse and local.dim() == 2 and not local.is_sparse:
+                low = self._looked_up_underflow(local.detach().abs())
+            else:
+                n = max(local.numel(), 1)
+                low = (local.detach().abs() < self.tiny).sum(dtype=torch.float32) / n
             fractions.append(low.to(self._device()))
         self._underflow = torch.stack(fractions)
+
+    def _looked_up_underflow(self, a: torch.Tensor) -> torch.Tensor:
+        """An embedding's underflow fraction over the rows with a nonzero element (the rows the
+        step looked up; a row-sharded weight's local rows alike). 0 when no row was: nothing
+        there to lose."""
+        rows = (a > 0).any(dim=1, keepdim=True)
+        low = ((a < self.tiny) & rows).sum(dtype=torch.float32)
+        return low / (rows.sum(dtype=torch.float32) * a.shape[1]).clamp(min=1.0)
 
     def _device(self) -> torch.device:
         if self._step_amax is not None:
