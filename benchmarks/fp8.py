@@ -7,7 +7,11 @@ and where distamp's default threshold (``fp8_min_features``, 2048) sits relative
 model is a stack of pre-norm MLP blocks (LayerNorm, Linear d->4d, GELU, Linear 4d->d) on the
 main job's byte-level text task. The two copies alternate step by step (the order flips every
 step) so that machine noise falls on both alike; the table has each one's median step time,
-the ratio fp8 / bf16 (below 1.00: fp8 is faster) and the final losses.
+the ratio fp8 / bf16 (below 1.00: fp8 is faster) and the first and last losses of both.
+
+The learning rate shrinks with the width (``--lr`` at ``--lr-width``, times ``lr_width / d``:
+muP's rule for Adam on hidden matrices), so that every width trains: one fixed rate that suits
+width 64 stalls or diverges at 8192, and the two formats' losses would then compare nothing.
 
 On CPU, torch 2.13 runs ``torch._scaled_mm`` through a reference kernel: correct, but slower
 than the bf16 GEMM at every size, so the CPU rows measure overhead, not a speed-up. With a CUDA
@@ -21,6 +25,7 @@ for the large widths.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -66,6 +71,12 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.T
     return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
 
 
+def learning_rate(d: int, base: float = 2e-3, width: int = 256) -> float:
+    """AdamW's rate at width ``d``: ``base`` at ``width``, scaled by ``width / d`` (muP for Adam:
+    a hidden matrix's update grows with its fan-in, so the rate must shrink as 1 / width)."""
+    return base * width / d
+
+
 def _trainer(
     precision: str, d: int, args: argparse.Namespace, device: torch.device
 ) -> tuple[Callable[[Any], float], DistAMP]:
@@ -76,7 +87,8 @@ def _trainer(
     )
     torch.manual_seed(0)
     amp = DistAMP(precision=precision, strategy="none", policy=policy, device=device)
-    model, _ = amp.setup(MLPStack(d, args.depth), lambda p: torch.optim.AdamW(p, lr=1e-3))
+    lr = learning_rate(d, args.lr, args.lr_width)
+    model, _ = amp.setup(MLPStack(d, args.depth), lambda p: torch.optim.AdamW(p, lr=lr))
     run = torch.compile(model) if device.type == "cuda" else model
 
     def step(batch: Any) -> float:
@@ -101,6 +113,7 @@ def _measure(d: int, args: argparse.Namespace, device: torch.device) -> dict[str
     steps = {p: _trainer(p, d, args, device) for p in ("bf16", "fp8")}
     times: dict[str, list[float]] = {p: [] for p in steps}
     losses: dict[str, float] = {}
+    first: dict[str, float] = {}
     for k in range(args.warmup + args.steps):
         order = list(steps) if k % 2 == 0 else list(reversed(steps))
         for p in order:
@@ -108,6 +121,7 @@ def _measure(d: int, args: argparse.Namespace, device: torch.device) -> dict[str
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             losses[p] = steps[p][0](data.batch(k))
+            first.setdefault(p, losses[p])
             if k >= args.warmup:
                 times[p].append(time.perf_counter() - t0)
     converted = steps["fp8"][1].fp8
@@ -119,6 +133,9 @@ def _measure(d: int, args: argparse.Namespace, device: torch.device) -> dict[str
         "bf16_ms": med["bf16"],
         "fp8_ms": med["fp8"],
         "ratio": med["fp8"] / med["bf16"],
+        "lr": learning_rate(d, args.lr, args.lr_width),
+        "bf16_first": first["bf16"],
+        "fp8_first": first["fp8"],
         "bf16_loss": losses["bf16"],
         "fp8_loss": losses["fp8"],
         "fp8_layers": len(converted.converted) if converted is not None else 0,
@@ -136,6 +153,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW's rate at --lr-width")
+    p.add_argument("--lr-width", type=int, default=256, help="the width --lr is set for")
+    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -156,17 +176,23 @@ def main() -> None:
         f"torch {torch.__version__}; distamp's default fp8_min_features={DEFAULT_MIN_FEATURES}"
     )
     head = (
-        f"{'d':>6}{'fp8 layers':>12}{'bf16 ms':>10}{'fp8 ms':>10}{'fp8/bf16':>10}"
-        f"{'bf16 loss':>11}{'fp8 loss':>10}{'fp8 by default':>16}"
+        f"{'d':>6}{'lr':>9}{'fp8 layers':>12}{'bf16 ms':>10}{'fp8 ms':>10}{'fp8/bf16':>10}"
+        f"{'bf16 loss':>17}{'fp8 loss':>17}{'fp8 by default':>16}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r['d']:>6}{r['fp8_layers']:>12}{r['bf16_ms']:>10.1f}{r['fp8_ms']:>10.1f}"
-            f"{r['ratio']:>10.2f}{r['bf16_loss']:>11.4f}{r['fp8_loss']:>10.4f}"
+            f"{r['d']:>6}{r['lr']:>9.1e}{r['fp8_layers']:>12}{r['bf16_ms']:>10.1f}"
+            f"{r['fp8_ms']:>10.1f}{r['ratio']:>10.2f}"
+            f"{r['bf16_first']:>8.4f} ->{r['bf16_loss']:>7.4f}"
+            f"{r['fp8_first']:>8.4f} ->{r['fp8_loss']:>7.4f}"
             f"{'yes' if r['default_on'] else 'no':>16}"
         )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        report = {"device": device.type, "torch": torch.__version__, "steps": args.steps}
+        args.json.write_text(json.dumps({**report, "rows": rows}, indent=1) + "\n", "utf-8")
 
 
 if __name__ == "__main__":

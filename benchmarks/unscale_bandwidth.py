@@ -15,7 +15,9 @@ Paths (all with one loss-scale factor and a max-norm clip):
   optimizer's ``grad_scale`` (zero further passes over the gradients).
 - ``distamp: check+sumsq, 1 mul``: the same, then one read-write pass by (1/scale * clip
   coefficient) for optimizers without ``grad_scale`` (distamp's kernel with write=True).
-- ``distamp: unscale``: ``unscale_and_check_`` (read + write), the scaler's plain path.
+- ``distamp: unscale``: ``unscale_and_check_`` (read + write), the scaler's plain path; the
+  automatic backend routes it to torch's fused op on CUDA (``--backend triton`` times the
+  kernel instead), as it does ``check+sumsq, 1 mul``'s multiply.
 
 Run: ``python benchmarks/unscale_bandwidth.py --device cuda --sizes 10M,50M,200M --dtype bf16``.
 ``--blocks``/``--warps`` sweep the Triton launch configuration (CUDA only). The scale factor is 1

@@ -274,7 +274,11 @@ def _remember(cache: dict[tuple[object, ...], _Plan], key: tuple[object, ...], p
 
 
 def _plan_for(
-    grads: Sequence[torch.Tensor], write: bool, device: torch.device, build: bool = True
+    grads: Sequence[torch.Tensor],
+    write: bool,
+    device: torch.device,
+    build: bool = True,
+    grouped: bool = False,
 ) -> _Plan | None:
     # The key pins everything a table encodes. Host time of a whole call (H100 machine, Python
     # 3.12): 500 tensors 0.25-0.4 ms on a hit, 1.5-2.4 ms on a miss (table build + H2D copy);
@@ -290,7 +294,9 @@ def _plan_for(
         else tuple((i, g.shape, g.stride()) for i, g in enumerate(grads) if not contiguous[i])
     )
     addresses = tuple(map(torch.Tensor.data_ptr, grads))
-    shapes = (device, write, tuple(map(torch.Tensor.numel, grads)), tuple(map(_dtype_of, grads)))
+    # One dtype for all when the caller grouped them (the scaler does): a quarter of a hit's key.
+    dtypes = (grads[0].dtype,) if grouped and grads else tuple(map(_dtype_of, grads))
+    shapes = (device, write, tuple(map(torch.Tensor.numel, grads)), dtypes)
     key = (*shapes, layouts, addresses)
     plan = _plans.get(key)
     if plan is not None:
@@ -322,6 +328,7 @@ def unscale_check_sumsq_triton_(
     per_tensor_flags: torch.Tensor | None = None,
     sumsq_dtype: torch.dtype = torch.float32,
     strict: bool = True,
+    grouped: bool = False,
 ) -> torch.Tensor | None:
     """The "triton" backend of :func:`distamp.kernels.unscale_check_sumsq_` (same arguments).
 
@@ -338,7 +345,7 @@ def unscale_check_sumsq_triton_(
             "(or set TRITON_INTERPRET=1 before Triton is imported to run the kernel on CPU)"
         )
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    plan = _plan_for(grads, write, device, build=not capturing)
+    plan = _plan_for(grads, write, device, build=not capturing, grouped=grouped)
     if plan is None:
         # A new table needs a host-to-device copy, which must not be baked into a CUDA graph
         # being captured; the reference ops capture cleanly. A warm-up step with the same

@@ -6,7 +6,7 @@ every gradient, so it can as well raise one flag per gradient tensor (the kernel
 ``update()`` the flags of a skipped step replace the kept ones (a ``torch.where`` on the agreed
 found_inf, no host sync), so after any number of good steps the last skipped step's flags are still
 there. Only :meth:`DistributedGradScaler.overflow_report` reads them (and gathers them from every
-rank), on request.
+rank), on request. The recorder lives in :mod:`distamp.observe.overflow_flags`.
 
 :class:`NonFiniteTracer` answers the question the gradients cannot: where did the inf/NaN first
 appear in the forward pass? Forward hooks reduce each module's output to one on-device "all
@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.cluster import is_distributed
+from distamp.observe.overflow_flags import OverflowRecorder
 from distamp.parallel.topology import local_grad
 from distamp.torch_compat import foreach_norm
 
@@ -101,138 +102,6 @@ class OverflowReport:
 def module_of(name: str) -> str:
     """``"blocks.0.attn.qkv.weight"`` -> ``"blocks.0.attn.qkv"`` (the root for a bare name)."""
     return name.rsplit(".", 1)[0] if "." in name else "<root>"
-
-
-class OverflowRecorder:
-    """Per-gradient non-finite flags of the current iteration, and those of the last skip.
-
-    Keys are the ordered parameter lists the scaler passes to the unscale kernels (one list per
-    optimizer and device), so the kept flags line up with parameters across iterations.
-    """
-
-    def __init__(self, lazy_on_cpu: bool = True) -> None:
-        self._lazy_on_cpu = lazy_on_cpu
-        self._current: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
-        self._kept: dict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
-        self._iteration: torch.Tensor | None = None
-        self._last_skip: torch.Tensor | None = None
-        self._lazy: list[tuple[torch.Tensor, ...]] = []
-        self._host_iteration: int | None = None  # on the host: the two counters as ints
-        self._last_skip_host = -1
-
-    def new_flags(
-        self, params: Sequence[torch.Tensor], device: torch.device
-    ) -> torch.Tensor | None:
-        """A zeroed float32 flag per parameter, filled by the unscale pass (no host sync).
-
-        ``None`` on the CPU: there the decision is readable on the host for free, so the flags
-        are computed at ``commit`` only for a skipped step, from the gradients themselves (they
-        still hold their inf/NaN: unscaling keeps them, and a skipped step does not touch them);
-        a per-tensor check at every step would cost the torch reference one op per gradient.
-        Not with ``lazy_on_cpu=False`` (sync-free scalers: no host read at all, e.g. under
-        ``torch.compile``).
-        """
-        if device.type == "cpu" and self._lazy_on_cpu:
-            self._lazy.append(tuple(params))
-            return None
-        flags = torch.zeros(len(params), dtype=torch.float32, device=device)
-        self._current.append((tuple(params), flags))
-        return flags
-
-    def _materialise_lazy(self, skipped: bool) -> None:
-        lazy, self._lazy = self._lazy, []
-        if not lazy or not skipped:
-            return
-        for params in lazy:
-            hits = [p.grad is not None and not _all_finite(p.grad) for p in params]
-            self._current.append((params, torch.tensor(hits, dtype=torch.float32)))
-
-    def discard(self) -> None:
-        """Forget the current iteration's flags (``update(new_scale)`` and the like)."""
-        self._current = []
-        self._lazy = []
-
-    def commit(self, found: torch.Tensor, found_on_host: bool | None = None) -> None:
-        """At ``update()``: keep this iteration's flags where the agreed ``found`` is set.
-
-        ``found_on_host``: the same decision, already read on the host (a CPU scaler): the
-        iteration counters are then plain ints and a clean step costs no op at all.
-        """
-        if found_on_host is not None:
-            self._commit_on_host(found_on_host)
-            return
-        if self._iteration is None:
-            self._iteration = torch.zeros((), dtype=torch.int64, device=found.device)
-            self._last_skip = torch.full((), -1, dtype=torch.int64, device=found.device)
-        assert self._last_skip is not None
-        if self._lazy:
-            self._materialise_lazy(bool(found.item()))  # lazy only on the CPU: no device sync
-        torch.where(found, self._iteration, self._last_skip, out=self._last_skip)
-        fresh = set()
-        for params, flags in self._current:
-            key = tuple(map(id, params))
-            fresh.add(key)
-            old = self._kept.get(key)
-            base = old[1] if old is not None else torch.zeros_like(flags)
-            self._kept[key] = (params, torch.where(found.to(flags.device), flags, base))
-        for key, (_, flags) in self._kept.items():  # a skip without them: clear theirs
-            if key not in fresh:
-                flags.masked_fill_(found.to(flags.device), 0.0)
-        self._iteration += 1
-        self._current = []
-
-    def _commit_on_host(self, skipped: bool) -> None:
-        if self._host_iteration is None:
-            self._host_iteration, self._last_skip_host = 0, -1
-        self._materialise_lazy(skipped)
-        if skipped:
-            self._last_skip_host = self._host_iteration
-            fresh = set()
-            for params, flags in self._current:
-                key = tuple(map(id, params))
-                fresh.add(key)
-                self._kept[key] = (params, flags)
-            for key, (_, flags) in self._kept.items():  # a skip without them: clear theirs
-                if key not in fresh:
-                    flags.zero_()
-        self._host_iteration += 1
-        self._current = []
-
-    @property
-    def iterations(self) -> int:
-        """How many ``update()`` calls were committed (host sync on a device)."""
-        if self._host_iteration is not None:
-            return self._host_iteration
-        return 0 if self._iteration is None else int(self._iteration.item())
-
-    def params(self) -> list[torch.Tensor]:
-        """Every parameter the kept flags cover, in order, without repeats."""
-        seen: dict[int, torch.Tensor] = {}
-        for params, _ in self._kept.values():
-            for p in params:
-                seen.setdefault(id(p), p)
-        return list(seen.values())
-
-    def flagged(self) -> tuple[int, list[torch.Tensor]]:
-        """Host side (syncs): the iteration of the last skip (-1: none) and its flagged params."""
-        if self._host_iteration is not None:
-            step = self._last_skip_host
-        elif self._last_skip is None:
-            return -1, []
-        else:
-            step = int(self._last_skip.item())
-        out: list[torch.Tensor] = []
-        for params, flags in self._kept.values():
-            hits = flags.cpu().tolist()
-            out.extend(p for p, hit in zip(params, hits, strict=True) if hit)
-        return step, out
-
-
-def _all_finite(grad: torch.Tensor) -> bool:
-    local = local_grad(grad)
-    if local.is_sparse:
-        local = local.coalesce().values()
-    return bool(torch.isfinite(local).all())  # host read: called for a skipped step only
 
 
 def _kind(param: torch.Tensor) -> str:

@@ -29,6 +29,11 @@ overflow itself:
    the scale's units), as :func:`~distamp.parallel.comm_hooks.powersgd_hook` does, and is kept
    in :meth:`Fp8CommState.state_dict`.
 
+The arithmetic (amax, scales, quantising, the shards' sum) is
+:mod:`distamp.kernels.fp8_wire`'s: one fused Triton kernel per step on CUDA, eager torch ops on
+the CPU, bitwise equal. A bucket is DDP's: ``DistAMP(ddp_kwargs={"bucket_cap_mb": ...})`` sets
+its size (fewer, larger buckets: fewer exchanges, each with its fixed host cost).
+
 Under FSDP2 the same exchange replaces the gradient reduce-scatter (:class:`Fp8ReduceScatter`,
 through FSDP2's public ``set_custom_reduce_scatter``): scales agreed, then the all-to-all and
 the fp32 sum of phase 2, whose result is the rank's shard (no all-gather: FSDP2 keeps
@@ -47,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distamp.kernels import fp8_wire
 from distamp.parallel.scale_reads import current_loss_scale, last_step_skipped
 from distamp.parallel.traffic import WireBytes
 
@@ -63,9 +69,6 @@ __all__ = [
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 """The 8-bit formats the hook can send (``Fp8CommState(format=...)``)."""
 
-# the scale and its reciprocal stay fp32 normal numbers (2**-126 is the smallest); with it any
-# finite fp32 amax fits the 8-bit range on up to 2**7 ranks, and _overflows flags the rest
-_LOG2_MIN, _LOG2_MAX = -126.0, 126.0
 # all_gather_single is the name since torch 2.13 (all_gather_into_tensor, deprecated there).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -232,13 +235,20 @@ class Fp8CommState(GroupState):
             "scale_at": {k: v.detach().cpu() for k, v in scale_at.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state_dict(self, state: Any) -> None:
+        """Check that ``state`` is a :meth:`state_dict` (``ValueError`` naming the entry);
+        changes nothing, so a checkpoint can be refused before any of it is applied."""
         if not isinstance(state, dict) or set(state) != {"residuals", "scale_at"}:
             raise ValueError(f"fp8 comm state: expected residuals and scale_at, got {state!r:.200}")
         for key in ("residuals", "scale_at"):
+            if not isinstance(state[key], dict):
+                raise ValueError(f"fp8 comm state {key}: a dict, got {state[key]!r:.200}")
             for k, v in state[key].items():
                 if not isinstance(k, str) or not isinstance(v, torch.Tensor):
                     raise ValueError(f"fp8 comm state {key}[{k!r}]: a parameter name and a tensor")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state_dict(state)
         self._loose = {k: v.clone() for k, v in state["residuals"].items()}
         self._scale_at = {k: v.clone() for k, v in state["scale_at"].items()}
         self._flat, self._flat_scale_at = {}, {}
@@ -265,26 +275,10 @@ class _BucketLayout:
         return dict(zip(self.names, self.views(flat), strict=True))
 
 
-def _chunk_amax(chunks: torch.Tensor) -> torch.Tensor:
-    """Each chunk's largest magnitude, ``inf`` for a chunk holding an inf, -inf or NaN: the
-    vector whose MAX over the ranks is both the scales' input and the bucket's overflow flag.
-    (``nan_to_num`` maps ``inf`` to the largest finite float unless told otherwise, which would
-    let the cast saturate an overflow into a finite value.)"""
-    return torch.nan_to_num(chunks.abs().amax(1), nan=float("inf"), posinf=float("inf"))
-
-
-def _overflows(amax: torch.Tensor, target: float) -> torch.Tensor:
-    """Whether any chunk is non-finite or beyond what its clamped scale can bring under
-    ``target`` (a 0-dim bool: a saturating cast must never see either)."""
-    return (amax > target * 2.0**-_LOG2_MIN).any() | torch.isinf(amax).any()
-
-
-def _scales(amax: torch.Tensor, target: float) -> torch.Tensor:
-    """Per chunk: the power of two ``s`` with ``amax * s <= target``; 1 for 0 or non-finite."""
-    ok = torch.isfinite(amax) & (amax > 0)
-    safe = torch.where(ok, amax, torch.ones_like(amax))
-    exponent = torch.floor(torch.log2(target / safe)).clamp(_LOG2_MIN, _LOG2_MAX)
-    return torch.where(ok, torch.exp2(exponent), torch.ones_like(amax))
+# The numbers (amax, scales, the casts, the sum) are distamp.kernels.fp8_wire's: fused Triton
+# kernels on CUDA, eager torch ops elsewhere, bitwise equal.
+_chunk_amax = fp8_wire.chunk_amax
+_overflows = fp8_wire.overflows
 
 
 class GroupComm:
@@ -315,27 +309,29 @@ def _sum_shards(
     amax: torch.Tensor,
     nonfinite: torch.Tensor,
     comm: Any,
+    requantise: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The exchange both paths share: quantise ``chunks`` (rows of ``chunk`` elements, the
     ranks' shards one after another) with the agreed scales, all-to-all, and sum this rank's
-    shard of every rank's in fp32. Returns that sum (``[k, chunk]``) and, with error feedback,
-    what this rank's values lost (flat, zero when a bucket was non-finite)."""
+    shard of every rank's in fp32. Returns that sum (``[k, chunk]``; with ``requantise`` the
+    average quantised again with the scales of the format's maximum, as bytes to all-gather)
+    and, with error feedback, what this rank's values lost (flat, zero when a bucket was
+    non-finite)."""
     world, rank = comm.world, comm.rank
-    scale = _scales(amax, state.fmax / world)  # the sum of w values stays in range
-    q = (chunks * scale[:, None]).to(state.dtype)
-    lost = None
-    if state.error_feedback:
-        lost = torch.where(nonfinite, 0.0, chunks - q.float() / scale[:, None]).reshape(-1)
-    send = q.view(torch.uint8).reshape(-1)
+    target = state.fmax / world  # the sum of w values stays in range
+    q, lost = fp8_wire.quantise(
+        chunks, amax, target, state.dtype, nonfinite, residual=state.error_feedback
+    )
+    send = q.reshape(-1)
     recv = torch.empty_like(send)
     state.sent.add("all_to_all", send.numel(), world)
     comm.all_to_all(recv, send)
     k = chunks.shape[0] // world  # chunks per shard
     # one scale per chunk for every rank: sum, then divide (by a power of two: exact); NaN
     # when any rank's bucket was non-finite, so that the result says so everywhere
-    mine = torch.where(nonfinite, float("nan"), scale[rank * k : (rank + 1) * k])
-    parts = recv.view(world, k, state.chunk).view(state.dtype).float()
-    return parts.sum(0) / mine[:, None], lost  # fp32 accumulation
+    again = (state.fmax, comm.divisor) if requantise else None
+    mine, dtype = amax[rank * k : (rank + 1) * k], state.dtype
+    return fp8_wire.sum_shards(recv, mine, target, dtype, nonfinite, world, requantise=again), lost
 
 
 class BucketExchange:
@@ -372,20 +368,15 @@ class BucketExchange:
     def finish(self, reduced: torch.Tensor, comm: Any) -> torch.Tensor:
         """Given the MAX-reduced :attr:`agreed`: sum this rank's shard of every rank's
         quantised bucket, all-gather the quantised average, write it into the bucket."""
-        state, layout, c = self.state, self.layout, self.state.chunk
-        amax_all = reduced
+        state, layout, amax_all = self.state, self.layout, reduced
         nonfinite = _overflows(reduced, state.fmax / comm.world)
-        total, lost = _sum_shards(state, self.chunks, amax_all, nonfinite, comm)
+        q2, lost = _sum_shards(state, self.chunks, amax_all, nonfinite, comm, requantise=True)
         if lost is not None and self.contributes:  # what this rank's values lost
             state.keep_bucket(layout, lost)
-        k = layout.per_rank // c  # chunks per shard
-        scale2_all = _scales(amax_all, state.fmax)
-        scale2 = scale2_all[comm.rank * k : (comm.rank + 1) * k]
-        q2 = (total * (scale2 / comm.divisor)[:, None]).to(state.dtype).view(torch.uint8)
         gathered = torch.empty(layout.total, dtype=torch.uint8, device=self.buffer.device)
         state.sent.add("all_gather", q2.numel(), comm.world)
         comm.all_gather(gathered, q2.reshape(-1))
-        out = (gathered.view(state.dtype).float().view(-1, c) / scale2_all[:, None]).reshape(-1)
+        out = fp8_wire.dequantise(gathered, amax_all, state.fmax, state.dtype)
         torch._foreach_copy_(self.grads, layout.views(out))
         return self.buffer
 

@@ -84,9 +84,9 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
         check_only: for bf16 and fp32, which need no loss scaling: ``scale()`` returns the loss,
             ``unscale_`` only checks (one read, no write), the scale stays 1, and a step whose
             gradients hold an inf/NaN is still skipped on every rank, counted and reported.
-        report_overflow: keep one non-finite flag per gradient tensor, raised by the unscale pass
-            itself, on device, for :meth:`overflow_report`. Free with the Triton kernel and fused
-            optimizers; the torch reference's in-place unscale then takes two passes, not one.
+        report_overflow: one non-finite flag per gradient tensor for :meth:`overflow_report`,
+            computed at ``update()`` of a skipped step only (sync-free: raised by the unscale
+            pass at every step, on device), so that a clean step unscales with torch's fused op.
 
     Collectives: one per iteration that has unreduced flags, whatever the number of optimizers
     (their flags, and a clipping norm, are packed together when the first of them needs the
@@ -129,7 +129,7 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
         if check_only:
             init_scale = 1.0  # nothing is scaled: the scale only reports 1
         # Before torch's __init__, which assigns _per_optimizer_states (kept in here).
-        self._steps = StepAgreement(process_group)
+        self._steps = StepAgreement(process_group, host_decisions=report_overflow and not sync_free)
         self._steps.settings = self.settings  # compared across ranks at the first collective
         super().__init__(
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
@@ -144,7 +144,7 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
         self._replicas = (
             None if manager is None else ReplicaCommit(manager, self, self._steps.current_records)
         )
-        self._overflow = OverflowRecorder(lazy_on_cpu=not sync_free) if report_overflow else None
+        self._overflow = OverflowRecorder(lazy=not sync_free) if report_overflow else None
         self._tracer: NonFiniteTracer | None = None
 
     @property
@@ -167,14 +167,14 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
     # ------------------------------------------------------------------ lazily created state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
-        self._counters.create(dev, on_host=dev.type == "cpu" and not self._sync_free)
+        on_host = self._steps.host_decisions or (dev.type == "cpu" and not self._sync_free)
+        self._counters.create(dev, on_host=on_host)
         self._steps.home = dev  # flags are agreed where the scale lives
 
     def _home_device(self) -> torch.device:
         device = torch.device(self._device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return device
+        unnumbered = device.type == "cuda" and device.index is None
+        return torch.device("cuda", torch.cuda.current_device()) if unnumbered else device
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self._scale is None and self._check_only:
@@ -438,10 +438,10 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
         """Update the scale on device from the agreed flags of every optimizer of this step.
 
         Growth, backoff, hysteresis and the min/max bounds are applied without a host sync; only
-        ``min_scale`` (when set and ``sync_free`` is off) costs one sync to raise
-        :class:`ScaleUnderflowError` at the step where the floor is hit. ``new_scale`` sets the
-        scale by hand, as in torch, but only to a normal finite float32 within the bounds
-        (``ValueError`` otherwise): a scale of 0 or inf would train on silently.
+        ``min_scale`` (set, not ``sync_free``) syncs once to raise :class:`ScaleUnderflowError` at
+        the floor, and ``report_overflow`` waits for the agreed flag's copy (there by then after a
+        non-fused step). ``new_scale`` sets the scale by hand, as torch, but only to a normal finite
+        float32 within the bounds (``ValueError`` otherwise): 0 or inf would train on silently.
         """
         if not self._enabled:
             return
@@ -463,9 +463,9 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
             )
         counters = self._counters
         assert counters.hysteresis is not None
-        # A CPU scaler reads the agreed decision once (no device to wait for), which spares
-        # the bookkeeping its device ops; elsewhere, and when sync-free, all stays on device.
-        on_host = bool(found_inf.item()) if counters.on_host else None
+        # The agreed decision read once on the host (the CPU's, or a device flag's host copy) spares
+        # the bookkeeping its device ops; sync-free, all stays on device (StepAgreement.decision).
+        on_host = self._steps.decision(found_inf) if counters.on_host else None
         if not self._check_only:  # check-only: the scale stays 1
             args = (self._rule(), scale, tracker, counters.hysteresis, found_inf, on_host)
             counters.flag_underflow(update_scale_(*args))

@@ -30,6 +30,7 @@ from distamp.scaler.grad_groups import GradPlan, GradPlans, check_groups_
 from distamp.torch_compat import OptState
 
 __all__ = [
+    "HostFlag",
     "OptimizerStep",
     "ScalerStateError",
     "StepAgreement",
@@ -68,6 +69,7 @@ class OptimizerStep:
     clipped: bool = False
     ddp_covered: bool = False
     agree: Callable[[], Any] | None = None
+    host_flag: HostFlag | None = None  # found_inf copied to the host (StepAgreement)
 
     @property
     def pending(self) -> bool:
@@ -129,6 +131,28 @@ class StepRecords(dict):  # type: ignore[type-arg]
         return record
 
 
+class HostFlag:
+    """An agreed flag copied to pinned host memory as soon as it is agreed: reading it later
+    waits for that copy only, not for the work queued after it (the optimizer's step). On the
+    CPU it is the flag itself."""
+
+    def __init__(self, flag: torch.Tensor) -> None:
+        self.event: Any = None
+        if flag.device.type != "cuda":
+            self.host = flag
+            return
+        self.host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+        self.host.copy_(flag, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def read(self) -> bool:
+        """The flag on the host (waits for its copy, no more)."""
+        if self.event is not None:
+            self.event.synchronize()  # host wait: until the flag's copy has landed
+        return bool(self.host.item())
+
+
 class StepAgreement:
     """One scaler's per-step bookkeeping and its single agreement across ranks.
 
@@ -142,9 +166,14 @@ class StepAgreement:
 
     Args:
         process_group: the ranks that must agree (see :class:`DistributedGradScaler`).
+        host_decisions: copy each agreed flag to the host as it is agreed (:class:`HostFlag`):
+            a scaler whose overflow flags are computed lazily reads the step's decision at
+            ``update()`` from there (:meth:`skipped_on_host`).
     """
 
-    def __init__(self, process_group: reduction.GroupSpec = None) -> None:
+    def __init__(
+        self, process_group: reduction.GroupSpec = None, host_decisions: bool = False
+    ) -> None:
         self.topology = Topology(process_group)
         self.plans = GradPlans()
         self.records = StepRecords(self)
@@ -158,6 +187,7 @@ class StepAgreement:
         # collective: a scaler used without the engine has no other setup step to do it in.
         self.settings: Callable[[], Mapping[str, Any]] | None = None
         self.settings_agreed = False
+        self.host_decisions = host_decisions
 
     def start_reading(self) -> None:
         """Before a gradient of this iteration is read or unscaled: the watcher's
@@ -255,6 +285,10 @@ class StepAgreement:
                 self.agree_settings(reducer)
             self.collectives_issued += len(reducer.groups)
         agreed = agree_pending(pending, reducer, home, extra, extra_op)
+        if pending and self.host_decisions and pending[0].found_inf is not None:
+            copy = HostFlag(pending[0].found_inf)  # one flag for all: see agree_pending
+            for record in pending:
+                record.host_flag = copy
         return split(agreed, reducer.size)  # type: ignore[no-any-return]
 
     def agree_settings(self, reducer: reduction.FlagReducer) -> None:
@@ -266,6 +300,22 @@ class StepAgreement:
         group = reducer.groups[0] if len(reducer.groups) == 1 else None
         if self.settings is not None and isinstance(group, dist.ProcessGroup):
             agree_settings(self.settings(), what="DistributedGradScaler", group=group)
+
+    def decision(self, found_inf: torch.Tensor) -> bool:
+        """The iteration's agreed decision (``found_inf``: its flag) on the host: from the copies
+        made as the flags were agreed (:meth:`skipped_on_host`), else read from ``found_inf``
+        (on a device a host sync, which waits for the work queued after it)."""
+        skipped = self.skipped_on_host()
+        return bool(found_inf.item()) if skipped is None else skipped
+
+    def skipped_on_host(self) -> bool | None:
+        """This iteration's agreed decision read from :class:`HostFlag` copies (no wait for
+        the optimizer's step), or ``None`` when some agreed flag has no copy."""
+        agreed = [r for r in self.records.values() if r.found_inf is not None]
+        if not agreed or any(r.host_flag is None for r in agreed):
+            return None
+        copies = {id(r.host_flag): r.host_flag for r in agreed}
+        return any([c.read() for c in copies.values() if c is not None])
 
     def discard(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget the optimizer's record (a disabled scaler keeps no per-step state)."""
@@ -283,7 +333,8 @@ class StepAgreement:
     def __reduce__(self) -> tuple[Any, ...]:
         # Process groups, module hooks and cached plans do not survive pickling: a copy agrees
         # over the default group, re-resolved lazily, and keeps only its collective count.
-        return (StepAgreement, (), {"collectives_issued": self.collectives_issued})
+        state = {"collectives_issued": self.collectives_issued}
+        return (StepAgreement, (), {**state, "host_decisions": self.host_decisions})
 
 
 def agree_pending(

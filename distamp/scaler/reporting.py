@@ -218,7 +218,7 @@ class ScalerReporting(torch.amp.GradScaler):
         # them, see StepAgreement.__reduce__); they are re-resolved lazily.
         state["_replicas"] = None  # a torchft Manager does not pickle either
         state["_overflow"] = (
-            None if self._overflow is None else OverflowRecorder(lazy_on_cpu=not self._sync_free)
+            None if self._overflow is None else OverflowRecorder(lazy=not self._sync_free)
         )
         state["_tracer"] = None
         return state

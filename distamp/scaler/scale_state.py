@@ -51,8 +51,9 @@ class ScaleState:
 
     def create(self, device: torch.device, on_host: bool = False) -> None:
         """Allocate the counters on ``device`` from the pending initial values. ``on_host``: the
-        caller reads each step's decision on the host anyway (a CPU scaler), so the skip counter
-        and streak are plain ints there instead of two tensors and three ops per step."""
+        caller reads each step's decision on the host anyway (a CPU scaler, or a device one
+        that copies its agreed flags to the host), so the skip counter and streak are plain ints
+        there instead of two tensors and three ops per step."""
         self.hysteresis = torch.full((), self.init_hysteresis, dtype=torch.int32, device=device)
         self.on_host = on_host
         if on_host:

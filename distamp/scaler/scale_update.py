@@ -106,7 +106,8 @@ def update_scale_(
     if rule.hysteresis == 1 and rule.min_scale is None and found_on_host is not None:
         # A clean step can only grow the scale, and torch's kernel never grows it to inf: no
         # floor check, and a clamp only under a ceiling.
-        at_floor = found_on_host and float(scale.item()) <= floor  # a CPU tensor: no sync
+        # read on a skipped step only: no sync on the CPU, one on a device (skips are rare)
+        at_floor = found_on_host and float(scale.item()) <= floor
         amp_update_scale_(
             scale,
             growth_tracker,
