@@ -21,6 +21,7 @@ from distamp.cluster import (
     init_distributed,
     shutdown_distributed,
 )
+from distamp.deploy import export
 from distamp.engine import DistAMP
 from distamp.engine.checkpoint import CheckpointError
 from distamp.observe.metrics import StepResult
@@ -39,6 +40,8 @@ __all__ = [
     "StepResult",
     "audit",
     "parse_precision",
+    # deployment: the trained precision in a torch.export program (distamp.deploy)
+    "export",
     # adaptive precision: the rules of AutocastPolicy(adaptive=..., backward_scales=...) and
     # the records of what they changed
     "AdaptiveRules",

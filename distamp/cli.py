@@ -1,4 +1,5 @@
-"""The ``distamp`` command: ``launch`` starts a script on N processes, ``env`` reports the setup.
+"""The ``distamp`` command: ``launch`` starts a script on N processes, ``env`` reports the setup,
+``export`` writes a trained checkpoint for inference (:mod:`distamp.deploy.command`).
 
 The launcher -> command mapping (:func:`build_command`) and the ``auto`` rule
 (:func:`resolve_launcher`) are pure functions; only :func:`main` looks at the machine and runs.
@@ -28,6 +29,7 @@ from typing import Any
 from distamp.arguments import INT32_MAX  # process counts and ranks end up in torch int32 args
 from distamp.cluster import detect_environment, free_port
 from distamp.cluster.supervise import GRACE_S, run_command, run_torchrun
+from distamp.deploy.targets import TARGETS
 from distamp.versions import compatibility_table
 
 __all__ = [
@@ -343,6 +345,35 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "versions", help="print the verified releases of torch and each framework (Markdown)"
     )
+    export = sub.add_parser(
+        "export",
+        help="export a trained checkpoint for inference in its trained precision",
+        description="Export the latest checkpoint of CHECKPOINT_DIR (launch/train.py --out DIR)"
+        " with its fp32 islands and adaptive promotions as explicit casts (distamp.deploy).",
+        allow_abbrev=False,
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="holds model.json")
+    export.add_argument("-o", "--output", required=True, metavar="FILE", help="file to write")
+    export.add_argument("--target", choices=TARGETS, default="pt2", help="default: pt2")
+    export.add_argument(
+        "--check",
+        type=int_arg(0),
+        default=0,
+        metavar="N",
+        help="compare with fp32 eager on N random inputs; refuse past the tolerance",
+    )
+    export.add_argument(
+        "--auto-islands",
+        action="store_true",
+        help="with --check: make the first diverging module fp32 and check again",
+    )
+    export.add_argument(
+        "--max-batch",
+        type=int_arg(2),
+        default=1024,
+        metavar="N",
+        help="the largest batch the program takes (default: 1024)",
+    )
     return parser
 
 
@@ -438,6 +469,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "versions":
             print(compatibility_table(), end="")
             return 0
+        if args.command == "export":
+            from distamp.deploy.command import run_export
+
+            return run_export(args)
     except SystemExit as exc:  # --help, --version and usage errors: argparse already printed
         return exc.code if isinstance(exc.code, int) else 2
     report = environment_report()

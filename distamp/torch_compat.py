@@ -5,8 +5,9 @@ distamp builds on a few torch names that are not public API: the multi-tensor op
 ``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch._amp_update_scale_``), the grouping
 helper they bucket tensors with, the ``GradScaler`` members :class:`DistributedGradScaler`
 overrides, the base class of pipeline stages, FSDP1's hybrid replica group, DTensor's local
-tensor (and one of torchft's: the Manager's process group). Private names move between releases
-without notice, so they are read here and only here: a rename shows up as one failing check
+tensor, the hook tables of ``nn.Module`` (emptied on a copy made for export), AOTInductor's
+entry points (and one of torchft's: the Manager's process group). Private names move between
+releases without notice, so they are read here and only here: a rename shows up as one failing check
 (:func:`missing_internals`, run by ``tests/test_torch_compat.py`` on the floor, the pinned and
 the newest torch of :data:`distamp.versions.TORCH`) instead of an ``AttributeError`` in the
 middle of a run.
@@ -16,6 +17,7 @@ Each name was checked on every torch release of that window.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -28,6 +30,9 @@ __all__ = [
     "TorchDispatchMode",
     "amp_unscale_",
     "amp_update_scale_",
+    "aoti_compile_and_package",
+    "aoti_load_package",
+    "clear_module_hooks",
     "dtensor_local",
     "foreach_mul_",
     "foreach_norm",
@@ -140,6 +145,49 @@ def dtensor_local(weight: Any) -> Any:
     return getattr(weight, "_local_tensor", None)
 
 
+# The per-module hook tables of ``nn.Module``: torch removes a hook through the handle its
+# ``register_*`` call returned, and offers no call that drops them all.
+_MODULE_HOOK_TABLES = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def clear_module_hooks(module: Any) -> None:
+    """Drop every hook registered on ``module`` itself (not its children).
+
+    A copy of a trained model made for export (``copy.deepcopy``) carries the live model's hooks
+    (policy regions, the numeric monitor, the non-finite tracer), and they would call back into
+    the training run's objects; their handles belong to the original, so only the tables can be
+    emptied."""
+    for table in _MODULE_HOOK_TABLES:
+        hooks = getattr(module, table, None)
+        if hooks is not None:
+            hooks.clear()
+
+
+def aoti_compile_and_package(program: Any, package_path: str) -> str:
+    """AOTInductor: compile an ``ExportedProgram`` to a shared library packaged as a ``.pt2``
+    file. torch documents the entry point under ``torch._inductor`` (no public alias)."""
+    inductor = importlib.import_module("torch._inductor")
+    return str(inductor.aoti_compile_and_package(program, package_path=package_path))
+
+
+def aoti_load_package(path: str) -> Any:
+    """Load an AOTInductor package (:func:`aoti_compile_and_package`): a callable that takes the
+    program's inputs and returns its outputs."""
+    return importlib.import_module("torch._inductor").aoti_load_package(path)
+
+
 def missing_internals() -> list[str]:
     """The internal names above that the running torch lacks (empty: this torch is usable).
 
@@ -150,6 +198,11 @@ def missing_internals() -> list[str]:
     scaler = GradScaler("cpu")  # enabled: torch assigns its state only then
     missing += [f"torch.amp.GradScaler.{n}" for n in GRAD_SCALER_MEMBERS if not hasattr(scaler, n)]
     missing += [f"OptState.{n}" for n in _OPT_STATES if not hasattr(OptState, n)]
+    module = torch.nn.Module()
+    missing += [f"torch.nn.Module.{t}" for t in _MODULE_HOOK_TABLES if not hasattr(module, t)]
+    inductor = importlib.import_module("torch._inductor")
+    aoti = ("aoti_compile_and_package", "aoti_load_package")
+    missing += [f"torch._inductor.{n}" for n in aoti if not hasattr(inductor, n)]
     if not hasattr(torch._C, "_group_tensors_by_device_and_dtype"):
         missing.append("torch._C._group_tensors_by_device_and_dtype")
     try:

@@ -106,6 +106,14 @@ WINDOWS: dict[str, Window] = {
         Window(package="torchao", extra="fp8", floor="0.17.0", newest="0.18.0"),
         Window(package="ray", extra="ray", floor="2.59.0", newest="2.60.0"),
         Window(package="torchft", extra="torchft", floor="0.2.0", newest="0.2.0"),
+        # The export targets (distamp.deploy): "onnx" exports through torch.onnx's dynamo
+        # exporter (onnxscript) and checks the file under ONNX Runtime; "pte" lowers to
+        # ExecuTorch with XNNPACK. executorch declares no torch requirement, but its native
+        # libraries link libtorch: 1.5.1 was verified with torch 2.13 (tests/test_deploy.py).
+        Window(package="onnx", extra="onnx", floor="1.23.2", newest="1.23.2"),
+        Window(package="onnxscript", extra="onnx", floor="0.7.2", newest="0.7.2"),
+        Window(package="onnxruntime", extra="onnx", floor="1.32.0", newest="1.32.0"),
+        Window(package="executorch", extra="edge", floor="1.5.1", newest="1.5.1"),
     )
 }
 """Package name -> its verified window. The one place the supported releases are written."""

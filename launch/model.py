@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "SIZES", "Block", "GPTConfig", "ShardedText", "lm_loss", "load_text"]
+__all__ = ["GPT", "SIZES", "Block", "GPTConfig", "ShardedText", "build", "lm_loss", "load_text"]
 
 DATA_FILE = Path(__file__).resolve().parent / "data" / "coriolanus.txt"
 
@@ -103,6 +103,15 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+def build(size: str = "tiny") -> GPT:
+    """The main job's model of ``size`` (a key of :data:`SIZES`), untrained: the factory that
+    ``launch/train.py --out DIR`` records in ``DIR/model.json``, so that ``distamp export DIR``
+    rebuilds the model before loading the trained weights."""
+    if size not in SIZES:
+        raise ValueError(f"size={size!r}: one of {sorted(SIZES)}")
+    return GPT(SIZES[size])
 
 
 def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

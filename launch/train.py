@@ -5,7 +5,8 @@
 
 Rank 0 draws a progress line on stderr and prints ONE JSON object as its last stdout line
 (final_loss, steps, skipped_steps, loss_scale, tokens_per_s, world_size, precision, strategy...;
-``--help`` explains each field). Nothing is written to disk unless ``--out DIR`` is given.
+``--help`` explains each field). Nothing is written to disk unless ``--out DIR`` (checkpoints)
+or ``--export PATH`` (the model for inference, docs/guides/deployment.md) is given.
 The same seed gives the same final loss whichever launcher started the ranks; ``--out DIR
 --resume`` continues from the last checkpoint to the same final state, bitwise on CPU. SIGUSR1 or
 SIGTERM (a scheduler's "time is nearly up") makes every rank stop at the next logging step, save
@@ -47,11 +48,12 @@ from distamp import (
     shutdown_distributed,
 )
 from distamp.cli import int_arg, real_arg
+from distamp.deploy import InputSpec, ModelSpec, record_model, save
 from distamp.engine.config import AMPConfig
 from distamp.observe.metrics import WindowStats
 from distamp.parallel.strategies import COMM_HOOKS, STRATEGIES
 from distamp.precision.fp8_select import FP8_RECIPES
-from launch.model import DATA_FILE, GPT, SIZES, ShardedText, lm_loss, load_text
+from launch.model import DATA_FILE, GPT, SIZES, GPTConfig, ShardedText, lm_loss, load_text
 
 QUIET_RANK_WAIT_S = 20.0  # the longest a rank waits for local rank 0 to report a usage error
 
@@ -92,8 +94,9 @@ def _epilog() -> str:
     fields = "\n".join(f"  {k:<{width}}  {v}" for k, v in SUMMARY_FIELDS.items())
     return (
         "outputs: rank 0 draws a progress line on stderr and prints one JSON summary as its last\n"
-        "stdout line; nothing is written to disk unless --out DIR is given (checkpoints and\n"
-        f"DIR/metrics.jsonl).\n\nsummary fields:\n{fields}"
+        "stdout line; nothing is written to disk unless --out DIR is given (checkpoints,\n"
+        "DIR/metrics.jsonl and DIR/model.json, which `distamp export DIR` reads) or --export PATH\n"
+        f"(the trained model for inference).\n\nsummary fields:\n{fields}"
     )
 
 
@@ -142,6 +145,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--log-interval", type=int_arg(1), default=10, help="steps between metric syncs")
     add("--out", type=Path, default=None, help="checkpoints + metrics.jsonl")
     add("--resume", action="store_true", help="continue from the last checkpoint")
+    add(
+        "--export",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="after training, rank 0 exports the model in its trained precision (distamp.export):"
+        " PATH.onnx for ONNX, PATH.pte for ExecuTorch, else a torch.export .pt2",
+    )
     add("--checkpoint-interval", type=int_arg(0), default=0, help="0: save at the end only")
     add("--stop-at", type=int_arg(1), default=None, help="save and stop after this step")
     add("--data", type=Path, default=DATA_FILE, help="any text file")
@@ -170,6 +181,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             p.error(f"launcher environment: {exc}")
         _check_comm_hook(p, args, world)
+        if args.export is not None and args.strategy in ("fsdp", "fsdp2", "hsdp"):
+            p.error(
+                f"argument --export: --strategy {args.strategy} shards the model, so no rank "
+                "holds it whole; pass --out DIR and run distamp export DIR -o PATH"
+            )
         _check_data(p, args.data, args.batch_size * world + SIZES[args.size].context + 1)
     return args
 
@@ -248,6 +264,21 @@ def _grad_bytes(stats: WindowStats | None) -> float | None:
     return stats.grad_bytes + (stats.grad_scale_bytes or 0.0)
 
 
+def _model_spec(args: argparse.Namespace, cfg: GPTConfig) -> ModelSpec:
+    """What ``distamp export DIR`` needs to rebuild this run's model (DIR/model.json)."""
+    fp8 = parse_precision(args.precision).float8_linears
+    return ModelSpec(
+        factory="launch.model:build",
+        kwargs={"size": args.size},
+        precision=parse_precision(args.precision).name,
+        policy={"recipe": args.fp8_recipe, "fp8_min_features": args.fp8_min_features}
+        if fp8
+        else None,
+        inputs=(InputSpec(shape=(None, cfg.context), dtype="int64", high=cfg.vocab_size),),
+        source=str(Path(__file__).resolve().parents[1]),
+    )
+
+
 def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
     """LR multiplier: linear warm-up, then cosine decay to 10% at ``total`` steps."""
 
@@ -289,7 +320,7 @@ class StopFlag:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     stop = StopFlag()  # before the group starts: a signal during setup is a request too
-    env = init_distributed(timeout=args.timeout)
+    env = init_distributed(timeout=args.timeout, warn_if_single=False)  # one process is fine
     # Same thread count under every launcher (torchrun sets OMP_NUM_THREADS=1, mpirun does not):
     # CPU kernels may split reductions by thread, so this is part of the determinism.
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
@@ -341,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         amp.close()
         shutdown_distributed()
         return 2
+    if args.out is not None and env.rank == 0:  # how `distamp export DIR` rebuilds the model
+        record_model(args.out, _model_spec(args, cfg))
     start_step, end = amp.step_count, min(args.steps, args.stop_at or args.steps)
     printer = ProgressPrinter(end, jsonl=args.out / "metrics.jsonl" if args.out else None)
     main_rank = env.rank == 0
@@ -389,7 +422,17 @@ def main(argv: list[str] | None = None) -> int:
         }
         assert list(summary) == list(SUMMARY_FIELDS)  # --help documents every field
         print("summary (fields: python launch/train.py --help):", file=sys.stderr, flush=True)
-        print(json.dumps(summary), flush=True)
+        # strict JSON: a non-finite number (the grad norm of a skipped last step) is null
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                  for k, v in summary.items()}  # fmt: skip
+        print(json.dumps(finite, allow_nan=False), flush=True)
+    if args.export is not None and main_rank:  # one process exports; the others wait in close
+        suffix = args.export.suffix
+        target = {".onnx": "onnx", ".pte": "pte"}.get(suffix, "pt2")
+        example = data.batch(0)[0][:1].cpu()
+        save(amp.export((example,), dynamic_shapes="batch"), args.export, target=target)
+        print(f"exported to {args.export} ({target}; precision record: {args.export}.json)",
+              file=sys.stderr)  # fmt: skip
     amp.close()  # releases the wrapped model, which holds the process group
     shutdown_distributed()  # the group came from init_distributed above
     return stop.exit_code

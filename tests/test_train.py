@@ -192,6 +192,19 @@ def test_medium_size_trains_on_two_ranks() -> None:
     print(f"medium, fp16 DDP, 2 ranks, batch 2: {result['train_s'] / 2:.2f} s/step")
 
 
+@pytest.mark.slow
+def test_medium_size_trains_in_fp8_under_fsdp2() -> None:
+    """Every Linear of the 12 blocks and the head in float8 (49 layers), bf16 autocast on the
+    CPU, sharded in FSDP2's 13 units."""
+    result = _torchrun("--size", "medium", "--precision", "fp8", "--strategy", "fsdp2",
+                       "--steps", "2", "--batch-size", "1", "--log-interval", "1")  # fmt: skip
+    assert result["fp8_layers"] == 4 * 12 + 1 and result["strategy"] == "fsdp2"
+    assert result["steps"] == 2 and result["skipped_steps"] == 0
+    assert result["final_loss"] < 5.6  # from ln(256) = 5.55
+    assert result["grad_bytes"] == 2 * _params("medium")  # fp32 reduce-scatter, every unit
+    print(f"medium, fp8 FSDP2, 2 ranks, batch 1: {result['train_s'] / 2:.2f} s/step")
+
+
 def test_size_flag_parses_and_refuses_unknown_sizes() -> None:
     import contextlib
     import io

@@ -1,0 +1,46 @@
+"""Deployment: a trained model exported for inference in the precision it was trained with.
+
+:func:`export` turns the model into a ``torch.export`` program whose graph holds the trained
+precision as explicit casts (fp32 islands, adaptive promotions, float8 Linears as bf16), with an
+optional numerical check against the fp32 model; :func:`save` writes it for a target (``.pt2``,
+AOTInductor, ONNX, ExecuTorch) with its precision record next to it. From an engine checkpoint:
+:func:`export_checkpoint` (the ``distamp export`` command). Nothing below this package imports
+it, except :meth:`distamp.DistAMP.export`, which delegates here.
+"""
+
+from distamp.deploy.check import CheckReport, Divergence, ExportCheckError, OutputCheck, Tolerance
+from distamp.deploy.checkpoints import (
+    MODEL_SPEC,
+    InputSpec,
+    ModelSpec,
+    export_checkpoint,
+    load_model,
+    record_model,
+)
+from distamp.deploy.export import export, export_engine, precision_record
+from distamp.deploy.plan import ModuleDecision, PrecisionPlan
+from distamp.deploy.targets import RECORD_FILE, TARGETS, read_record, require_target, save
+
+__all__ = [
+    "MODEL_SPEC",
+    "RECORD_FILE",
+    "TARGETS",
+    "CheckReport",
+    "Divergence",
+    "ExportCheckError",
+    "InputSpec",
+    "ModelSpec",
+    "ModuleDecision",
+    "OutputCheck",
+    "PrecisionPlan",
+    "Tolerance",
+    "export",
+    "export_checkpoint",
+    "export_engine",
+    "load_model",
+    "precision_record",
+    "read_record",
+    "record_model",
+    "require_target",
+    "save",
+]
