@@ -20,6 +20,7 @@ from torch import nn
 from distamp import AutocastPolicy, DistAMP, DistributedGradScaler, ScaleUnderflowError
 from distamp.cluster import SettingsMismatchError
 from distamp.engine.checkpoint import CheckpointError
+from distamp.engine.integrity import record_listing
 from distamp.precision.adaptive import AdaptiveRules
 
 
@@ -74,10 +75,13 @@ def _saved(tmp_path: Path, precision: str = "fp16", **kwargs: Any) -> Path:
 
 
 def _edit_trainer(step_dir: Path, edit: Any) -> None:
+    """Change trainer.pt on purpose, and re-record the step's listing (else the load refuses
+    the file as damaged before its fields are read)."""
     path = step_dir / "trainer.pt"
     state = torch.load(path, weights_only=True)
     edit(state)
     torch.save(state, path)
+    record_listing(step_dir)
 
 
 def _scaler_scale_nan(s: dict[str, Any]) -> None:

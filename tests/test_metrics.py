@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -174,5 +175,10 @@ def test_console_writer_takes_an_integration_dict() -> None:
     w = ConsoleWriter(stream=stream)
     m = AMPMetrics()
     m.step(None)
-    w.write(1, m.compute(None))  # no loss in it: that field is left out
-    assert stream.getvalue().startswith("step 1 scale 1 | skipped 0 | ")
+    w.write(1, m.compute(None))  # no loss in it, no tokens counted: those fields are left out
+    assert stream.getvalue() == "step 1 scale 1 | skipped 0\n"
+    m.add_tokens(100)
+    m.step(None)
+    w.write(2, m.compute(None))
+    second = stream.getvalue().splitlines()[1]
+    assert re.fullmatch(r"step 2 scale 1 \| skipped 0 \| [\d,]+ tok/s", second), second

@@ -10,6 +10,11 @@ size), once; nothing per step. Each field's text is hashed to 62 bits; the all-r
 MAX of the hashes and of their negations, so equal hashes on every rank mean max == -max(-h).
 Only when a field differs do the ranks gather the texts of the differing fields (the error path:
 every rank knows the same fields differ, so every rank joins that gather).
+
+:func:`agree_failures` does the same for an outcome: a step that can fail on one rank alone (a
+directory it cannot create, a file it cannot read) ends with one all-reduce of a few ints, so that
+every rank learns at once that some rank failed, and why, instead of a peer waiting in its next
+collective until the timeout.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch.distributed as dist
 
 from distamp.cluster.collectives import is_distributed
 
-__all__ = ["SettingsMismatchError", "agree_settings"]
+__all__ = ["SettingsMismatchError", "agree_failures", "agree_settings"]
 
 _SLOTS = 64  # fields compared; fixed so that ranks running another distamp still line up
 
@@ -86,6 +91,44 @@ def agree_settings(
         f"any rank trained): {' | '.join(lines) or ', '.join(differing)}. Build every rank with "
         "the same settings (same command line and config on every rank)."
     )
+
+
+def agree_failures(
+    error: str | None, *, flags: tuple[bool, ...] = (), group: dist.ProcessGroup | None = None
+) -> tuple[list[str], tuple[bool, ...]]:
+    """Tell every rank of ``group`` which ranks failed and why. Collective.
+
+    Cost: one all-reduce of ``1 + len(flags)`` int64 when no rank failed; the reasons are
+    gathered only when one did (every rank then knows to join that gather). One host sync.
+
+    Args:
+        error: this rank's reason for failing, or ``None``.
+        flags: this rank's answers to yes/no questions the caller asks every rank (e.g. "found
+            a checkpoint"); their OR over the ranks is returned.
+        group: the ranks that must agree (``None``: the default group).
+
+    Returns:
+        The reasons of the failed ranks, each prefixed with its ranks (identical reasons of
+        several ranks once), empty when none failed; and each flag ORed over the ranks.
+    """
+    if not is_distributed() or dist.get_world_size(group) == 1:
+        return ([] if error is None else [error]), tuple(bool(f) for f in flags)
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    votes = torch.tensor([error is not None, *flags], dtype=torch.int64, device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
+    failed, *ored = (bool(v) for v in votes.tolist())  # the host sync
+    if not failed:
+        return [], tuple(ored)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, error, group=group)
+    by_reason: dict[str, list[int]] = {}
+    for rank, reason in enumerate(everyone):
+        if reason is not None:
+            by_reason.setdefault(str(reason), []).append(rank)
+    reasons = [f"rank{'s' * (len(r) > 1)} {_ranks(r)}: {why}" for why, r in by_reason.items()]
+    return reasons, tuple(ored)
 
 
 def _short(text: str) -> str:

@@ -8,6 +8,7 @@ launcher and the fix.
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import numbers
 import os
@@ -25,7 +26,19 @@ from distamp.cluster.detection import detect_environment
 from distamp.cluster.dist_env import DistEnv
 from distamp.cluster.main_address import share_main_address
 
-__all__ = ["RendezvousError", "init_distributed", "shutdown_distributed"]
+__all__ = ["NO_LAUNCHER", "RendezvousError", "init_distributed", "shutdown_distributed"]
+
+_log = logging.getLogger("distamp.cluster")
+
+NO_LAUNCHER = (
+    "init_distributed(): no launcher started this process (no torchrun, srun, mpirun or Ray "
+    "variables in its environment), so no process group was made: it trains alone, and a "
+    "collective (torch.distributed.all_reduce, DDP) will ask for init_process_group. To start "
+    "N processes: `distamp launch --nproc-per-node N script.py` (or torchrun "
+    "--nproc-per-node N, mpirun -np N, srun --ntasks N); for one process on purpose, call "
+    "init_distributed(warn_if_single=False)"
+)
+"""What :func:`init_distributed` logs (``distamp.cluster``, WARNING) when it makes no group."""
 
 
 class RendezvousError(RuntimeError):
@@ -36,13 +49,17 @@ def init_distributed(
     env: DistEnv | None = None,
     backend: str | None = None,
     timeout: timedelta | float = 300.0,
+    *,
+    warn_if_single: bool = True,
 ) -> DistEnv:
     """Join the default process group that ``env`` (default: :func:`detect_environment`) describes.
 
     NCCL when CUDA is available, else gloo; on CUDA the device is set from ``local_rank`` first, so
     NCCL and every later ``.cuda()`` use this process's GPU. A single process (launcher
     ``"single"``) gets NO process group: distamp then behaves exactly like plain torch and no port
-    is opened (a world of one with a real group is what ``torchrun --nproc-per-node 1`` gives).
+    is opened (a world of one with a real group is what ``torchrun --nproc-per-node 1`` gives); it
+    logs :data:`NO_LAUNCHER` (``distamp.cluster``, WARNING): a script that meant to run on several
+    processes learns here, not at its first collective, that it was started without a launcher.
 
     Idempotent: when a group already exists nothing is initialized again and the environment is
     returned (or, if it does not describe that group, a description of the live group).
@@ -52,6 +69,8 @@ def init_distributed(
         backend: a ``torch.distributed`` backend string, to override the choice above.
         timeout: bound on the rendezvous (and torch's default for collectives), seconds or
             timedelta.
+        warn_if_single: log :data:`NO_LAUNCHER` when no launcher started this process; pass
+            ``False`` where one process is a complete job (``DistAMP.setup`` does).
 
     Returns:
         The environment, with the main address and port filled in when MPI had to provide them.
@@ -71,6 +90,8 @@ def init_distributed(
     if is_distributed():
         return _describe_live_group(env, dist.get_rank(), dist.get_world_size())
     if not env.is_distributed:
+        if warn_if_single:
+            _log.warning("%s", NO_LAUNCHER)
         return env
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed; install a build with it")
@@ -92,7 +113,6 @@ def init_distributed(
             )
     if env.main_address is None or env.main_port is None:
         env = share_main_address(env)
-    host = f"[{env.main_address}]" if ":" in str(env.main_address) else env.main_address
     message = _rendezvous_message(env, seconds)
     # torch 2.13 bounds both sides of the TCPStore rendezvous (measured with timeout=5: rank 0 alone
     # fails after 6 s, a client with no server after 10 s as it retries once). The watchdog is the
@@ -100,23 +120,13 @@ def init_distributed(
     # can be restarted by its launcher, one that hangs holds the whole job.
     with _watchdog(2 * seconds + 60, message):
         try:
-            store = _elastic_round_store(env, seconds)
-            if store is None:
-                dist.init_process_group(
-                    backend,
-                    init_method=f"tcp://{host}:{env.main_port}",  # not env://: rereads os.environ
-                    rank=env.rank,
-                    world_size=env.world_size,
-                    timeout=timedelta(seconds=seconds),
-                )
-            else:
-                dist.init_process_group(
-                    backend,
-                    store=store,
-                    rank=env.rank,
-                    world_size=env.world_size,
-                    timeout=timedelta(seconds=seconds),
-                )
+            dist.init_process_group(
+                backend,
+                store=_round_store(env, seconds),  # not env://: it rereads os.environ
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timedelta(seconds=seconds),
+            )
         except (dist.DistError, RuntimeError, TimeoutError) as exc:
             cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RendezvousError(f"{message} (cause: {cause})") from exc
@@ -138,31 +148,56 @@ def _timeout_seconds(timeout: Any) -> float:
     return value
 
 
-def _elastic_round_store(env: DistEnv, seconds: float) -> Any:
-    """Under torchrun's shared agent store: a client of it, private to this restart round.
+def _round_store(env: DistEnv, seconds: float) -> Any:
+    """The store this round's group meets in, under a key prefix that no earlier round used.
 
-    torchrun (checked on torch 2.13) keeps ONE TCPStore for the whole job and hands every round's
-    workers the same address, without a per-round key prefix. After a restart, the new workers
-    then find the keys the killed round wrote (gloo peer addresses, barrier counters) and read
-    them as their own: "connectFullMesh ... Connection refused" against a dead peer's port, or a
-    hang on a counter that is already past. A prefix with the run id and the restart count gives
-    every round fresh keys. ``None`` when the agent store is not in use (plain tcp:// then).
-    Reads ``os.environ`` (never writes it): these variables are torchrun's, not the launcher
-    description :class:`DistEnv` holds.
+    Two ways the keys of an earlier group get read as this one's, checked on torch 2.13:
+
+    - one process, a second group (``DistAMP.setup`` after ``close()``, or a group torch made
+      and destroyed before): torch's ``tcp://`` and ``env://`` rendezvous share one store server
+      per port within a process (multi-tenant) and name the default group's keys after a counter
+      that restarts at 0 when the group is destroyed. The new group then reads the old gloo peer
+      addresses and barrier counters, and its first collective waits for the timeout.
+    - torchrun's shared agent store: ONE store for the whole job, the same address for every
+      restart round; a restarted round finds the killed round's keys ("connectFullMesh ...
+      Connection refused" against a dead peer's port, or a hang on a counter already past).
+
+    The prefix is the launch (torchrun's run id and restart count) and the round's number,
+    counted in the store itself (every rank adds 1), so every rank agrees on it whatever its
+    own history. The store of a plain rendezvous is kept for the life of the process (see
+    :data:`_STORES`). Reads ``os.environ`` (never writes it): these variables are torchrun's, not
+    the launcher description :class:`DistEnv` holds.
     """
-    if env.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
     assert env.main_address is not None and env.main_port is not None
-    client = dist.TCPStore(
-        env.main_address,
-        env.main_port,
-        env.world_size,
-        is_master=False,
-        timeout=timedelta(seconds=seconds),
-    )
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"distamp/{run_id}/attempt_{attempt}/", client)
+    timeout = timedelta(seconds=seconds)
+    base: Any
+    if env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        base = dist.TCPStore(
+            env.main_address, env.main_port, env.world_size, is_master=False, timeout=timeout
+        )
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        launch = f"distamp/{run_id}/attempt_{attempt}/"
+    else:
+        key = (env.main_address, env.main_port, env.rank == 0)
+        base = _STORES.get(key)
+        if base is None:
+            base = dist.TCPStore(
+                env.main_address, env.main_port, env.world_size, is_master=env.rank == 0,
+                timeout=timeout, multi_tenant=True,
+            )  # fmt: skip
+            _STORES[key] = base
+        base.set_timeout(timeout)
+        launch = "distamp/"
+    launch += f"world_{env.world_size}/"  # the count below is of ranks of this world size
+    joined = base.add(f"{launch}joined", 1)
+    return dist.PrefixStore(f"{launch}round_{(joined - 1) // env.world_size}/", base)
+
+
+_STORES: dict[tuple[str, int, bool], Any] = {}
+"""The plain rendezvous' stores of this process, by (address, port, is main): kept, so that
+rank 0's server outlives its group. Were it freed at ``close()``, a peer that starts the next
+round first could still reach the old server, count itself there, and wait on a dead one."""
 
 
 def _rendezvous_message(env: DistEnv, seconds: float) -> str:

@@ -1,5 +1,5 @@
-"""The engine's step accounting: where a step is in its accumulation cycle, and which skipped
-steps were already reported.
+"""The engine's step accounting: where a step is in its accumulation cycle (and what may be
+called when), and which skipped steps were already reported.
 
 Two small records that :class:`~distamp.DistAMP` owns and the run loop
 (:mod:`distamp.engine.loop`) asks: the loop drives micro-batches and logging windows but never
@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from distamp.arguments import ArgumentTypeError, integer_or_none
 from distamp.cluster import is_distributed
 from distamp.observe.diagnostics import ScaleHealth
 from distamp.observe.metrics import WindowStats
@@ -45,14 +48,47 @@ class MicroBatchCycle:
         """Whether every micro-batch of the cycle has run its backward."""
         return self.done == self.size
 
-    def check_backward(self) -> None:
-        """Before a backward: raise ``RuntimeError`` if the cycle is already complete."""
+    @staticmethod
+    def require_setup(call: str, *, set_up: bool) -> None:
+        """Before ``call`` (``autocast``, ``accumulate``, ``backward``): ``RuntimeError`` naming
+        ``setup`` unless the engine has a model. Without it the mistake would surface only at
+        the optimizer step, after a forward (outside autocast: in fp32) and a backward ran."""
+        if not set_up:
+            raise RuntimeError(
+                f"DistAMP.{call}() with no model set up: call `model, optimizer = "
+                "amp.setup(model, optimizer)` first (it wraps the model and builds the scaler) "
+                "and train the model it returns; after close(), build a new DistAMP"
+            )
+
+    def check_backward(self, loss: Any, tokens: Any, *, set_up: bool) -> int:
+        """Before a backward: the engine is set up (:meth:`require_setup`), ``loss`` is one
+        number and ``tokens`` a count (``TypeError``/``ValueError``, before anything changed),
+        and the cycle is not already complete (``RuntimeError``). Returns ``tokens`` as an int.
+        """
+        self.require_setup("backward", set_up=set_up)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"backward(loss=...): expected the loss tensor autograd built in the forward, "
+                f"got {type(loss).__name__}: {loss!r:.80}"
+            )
+        if loss.numel() != 1:
+            raise ValueError(
+                f"backward(loss=...): a tensor of shape {tuple(loss.shape)}; pass one number, "
+                "this micro-batch's mean loss (e.g. loss.mean(), or reduction='mean')"
+            )
+        count = integer_or_none(tokens)
+        if count is None or count < 0:
+            raise (ArgumentTypeError if count is None else ValueError)(
+                f"backward(tokens={tokens!r}): the number of tokens in this micro-batch, a whole "
+                "number >= 0 (0 when not counted)"
+            )
         if self.done >= self.size:
             raise RuntimeError(
                 f"backward() called {self.done + 1} times since the last step() with "
                 f"grad_accum_steps={self.size}: call step() after every {self.size} backward() "
                 "calls"
             )
+        return count
 
     def backward_done(self) -> None:
         self.done += 1

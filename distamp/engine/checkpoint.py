@@ -9,12 +9,21 @@ Layout of a checkpoint directory ``DIR``::
     DIR/step_00000120/rng_<r>.pt  rank r's RNG streams (they differ between ranks)
     DIR/step_00000120/rank_<r>.pt rank r's own state when it has some (a comm hook's
                                 error-feedback residuals)
+    DIR/step_00000120/files.json  every other file's size and CRC-32 (:mod:`.integrity`)
 
 A save goes to a hidden temporary directory first; every file is fsynced, the directory is
 renamed into place, and only then is the manifest replaced (itself written to a temporary file,
 fsynced and renamed). A crash at any point leaves the previous manifest pointing at a complete
 checkpoint, so a loader never sees half a save. ``DIR`` must be one filesystem shared by all
 ranks (as DCP requires).
+
+Every rank raises, or none does: where a rank can fail alone (creating the directory, its
+writes, reading back what it wrote; its files at load) the ranks agree on the outcome in one
+small all-reduce (:func:`~distamp.cluster.agreement.agree_failures`), so a refusal reaches every
+rank at once with the failing rank's reason instead of leaving its peers in a collective until
+the timeout. A load verifies every file it will read (present, the size and CRC-32 recorded at
+save time, the expected structure) and checks the state against the job before anything is
+applied: a refused load changes nothing.
 
 Model and optimizer go through ``get_state_dict``/``set_state_dict``, which give the same
 parameter names whatever wrapper (none, DDP, FSDP1, FSDP2) holds the model: a checkpoint saved
@@ -28,18 +37,42 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
+from distamp.arguments import ArgumentTypeError, as_integer
 from distamp.cluster import is_distributed
-from distamp.engine.rng import capture_rng, restore_rng
+from distamp.cluster.agreement import agree_failures
+from distamp.engine.checkpoint_layout import (
+    FORMAT_VERSION,
+    MANIFEST,
+    CheckpointError,
+    cause_of,
+    latest_checkpoint,
+    load_file,
+    model_mismatch,
+    refuse_foreign,
+    state_dict_options,
+    unreadable,
+)
+from distamp.engine.integrity import (
+    LISTING,
+    file_digest,
+    listed_files,
+    read_listing,
+    share,
+    verify_files,
+    write_listing,
+)
+from distamp.engine.rng import capture_rng, check_rng, restore_rng
 
 __all__ = [
     "MANIFEST",
@@ -53,51 +86,6 @@ __all__ = [
     "restore_rng",
     "save_checkpoint",
 ]
-
-MANIFEST = "latest.json"
-FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint file is missing, truncated, corrupted or from an incompatible format.
-
-    The message names the file. Loading raises before anything is modified: neither the model
-    nor the checkpoint directory is touched, so the good checkpoints that may be there (the
-    previous step's is kept) survive for a fix by hand.
-    """
-
-
-def _state_dict_options() -> Any:
-    """Flattened optimizer state: every entry, hyper-parameters included, is keyed by its
-    parameter's name. Unflattened, the ``param_groups`` entry has the same key on every pipeline
-    stage, DCP keeps one copy of it, and a stage loads another stage's learning rate, momentum
-    and weight decay (then fails on a missing key at its next step)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def _cause(exc: BaseException) -> str:
-    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: rank -> (exc, tb)
-    if isinstance(failures, dict) and failures:
-        return "; ".join(f"rank {r}: {_cause(e[0])}" for r, e in sorted(failures.items()))
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def _unreadable(path: Path, exc: BaseException, root: Path) -> CheckpointError:
-    cause = _cause(exc)
-    older = sorted(p.name for p in root.glob("step_*") if p.is_dir() and p not in path.parents)
-    hint = (
-        f"; older complete checkpoints in {root}: {', '.join(older)} (point {MANIFEST} at one "
-        "of them to resume from it)"
-        if older
-        else ""
-    )
-    return CheckpointError(
-        f"checkpoint {'directory' if path.is_dir() else 'file'} {path} is unreadable "
-        f"(truncated or corrupted?): {cause}{hint}"
-    )
 
 
 @contextmanager
@@ -118,11 +106,6 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
-def _barrier() -> None:
-    if _dist()[1] > 1:
-        dist.barrier()
-
-
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -138,32 +121,6 @@ def _save_synced(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint the manifest of ``directory`` names, or ``None`` if none.
-
-    Raises:
-        CheckpointError: the manifest is unreadable or names a directory that is not there.
-    """
-    root = Path(directory)
-    manifest = root / MANIFEST
-    if not manifest.is_file():
-        return None
-    try:
-        info = json.loads(manifest.read_text())
-        name = info["path"]
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            raise ValueError(f"'path' must be a step directory's name, got {name!r}")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise _unreadable(manifest, exc, root) from exc
-    path = root / name
-    if not path.is_dir():
-        raise CheckpointError(
-            f"{manifest} names {name!r}, which does not exist: the checkpoint directory "
-            "was modified by hand; delete the manifest to start over"
-        )
-    return path
-
-
 def save_checkpoint(
     directory: str | os.PathLike[str],
     *,
@@ -176,56 +133,128 @@ def save_checkpoint(
 ) -> Path:
     """Save a checkpoint of step ``step`` atomically; collective: call on every rank.
 
+    A rank that fails alone (a directory it cannot create, a write error, a state that cannot be
+    pickled) makes every rank raise at once (the ranks agree on the outcome after creating the
+    directory and after writing), and nothing is committed: the previous checkpoint stays in
+    force.
+
     Args:
         directory: the checkpoint directory (created if needed), shared by all ranks.
         step: the number of completed optimizer steps; names the step directory.
         model, optimizer: as returned by ``DistAMP.setup`` (any strategy).
         trainer_state: small, rank-identical state (step, scaler, scheduler...) that rank 0
             writes alone; tensors and plain Python values only.
-        keep: how many complete checkpoints to keep (the newest ones); at least 1.
+        keep: how many complete checkpoints to keep (the newest ones); an int, at least 1.
         rank_state: this rank's own state (it differs between ranks), or ``None``.
 
     Returns:
         The committed step directory.
+
+    Raises:
+        ValueError: ``keep`` is not an int >= 1 (before anything is written).
+        CheckpointError: on every rank, when any rank could not create or write its part,
+            naming the rank and the cause.
     """
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    keep = _check_keep(keep)
     rank, world = _dist()
     root = Path(directory)
     name = f"step_{step:08d}"
     tmp, final = root / f".{name}.tmp", root / name
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that crashed
-        tmp.mkdir()
-    _barrier()
-    msd, osd = get_state_dict(model, optimizer, options=_state_dict_options())
-    with _single_process_quiet():  # DCP fsyncs the files it writes
-        dcp_save(
-            {"model": msd, "optim": osd}, checkpoint_id=tmp / "state", no_dist=not is_distributed()
-        )
-    _save_synced(capture_rng(), tmp / f"rng_{rank}.pt")
-    if rank_state is not None:
-        _save_synced(rank_state, tmp / f"rank_{rank}.pt")
-    if rank == 0:
-        meta = {"format": FORMAT_VERSION, "step": step, "world_size": world}
-        _save_synced({**trainer_state, "meta": meta}, tmp / "trainer.pt")
-    _barrier()
     error = None
+    try:  # every rank: one that cannot reach the directory says so now, not at its first write
+        root.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that crashed
+            tmp.mkdir()
+    except OSError as exc:
+        error = f"cannot create {tmp}: {exc}"
+    # A rank that cannot create it may not share the filesystem: every rank must reach DIR.
+    _agree_on_save(error, tmp, "could not create the checkpoint directory on every rank")
+    msd, osd = get_state_dict(model, optimizer, options=state_dict_options())
+    try:
+        with _single_process_quiet():  # DCP fsyncs the files it writes
+            dcp_save(
+                {"model": msd, "optim": osd}, checkpoint_id=tmp / "state",
+                no_dist=not is_distributed(),
+            )  # fmt: skip
+        _save_synced(capture_rng(), tmp / f"rng_{rank}.pt")
+        if rank_state is not None:
+            _save_synced(rank_state, tmp / f"rank_{rank}.pt")
+        if rank == 0:
+            meta = {"format": FORMAT_VERSION, "step": step, "world_size": world}
+            _save_synced({**trainer_state, "meta": meta}, tmp / "trainer.pt")
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        error = f"could not write {tmp}: {cause_of(exc)}"
+    _agree_on_save(error, tmp, "could not write every rank's part")
+    digests = _digest_share(tmp, rank, world)
+    final_or_error: list[Any] = [str(final)]
     if rank == 0:
         try:
-            final = _commit(root, tmp, final, step=step, world=world, keep=keep)
+            write_listing(tmp, digests)
+            final_or_error = [str(_commit(root, tmp, final, step=step, world=world, keep=keep))]
         except OSError as exc:
-            error = f"rank 0 could not commit the checkpoint {final}: {exc}"
-    if world > 1:
-        # Rank 0's outcome for everyone: a failed commit must fail every rank, not only rank 0.
-        box: list[str | None] = [error, str(final)]
-        dist.broadcast_object_list(box, src=0)
-        error, final = box[0], Path(str(box[1]))
-    if error is not None:
-        raise RuntimeError(error)
-    return final
+            final_or_error = [None, f"rank 0 could not commit the checkpoint {final}: {exc}"]
+    if world > 1:  # rank 0's outcome for everyone: a failed commit must fail every rank
+        dist.broadcast_object_list(final_or_error, src=0)
+    if final_or_error[0] is None:
+        raise CheckpointError(str(final_or_error[-1]))
+    return Path(str(final_or_error[0]))
+
+
+def _check_keep(keep: Any) -> int:
+    try:
+        value = as_integer("keep", keep)
+    except ValueError as exc:
+        raise ArgumentTypeError(
+            f"{exc}: `keep` is how many complete checkpoints save_state keeps (an int >= 1)"
+        ) from None
+    if value < 1:
+        raise ValueError(f"`keep` must be at least 1 (the checkpoint just saved), got {keep!r}")
+    return value
+
+
+def _agree_on_save(error: str | None, tmp: Path, what: str) -> None:
+    """Every rank raises when any rank failed (rank 0 removing the half-written directory)."""
+    failures, _ = agree_failures(error)
+    if not failures:
+        return
+    if _dist()[0] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise CheckpointError(
+        f"save_state {what} and committed nothing ({'; '.join(failures)}); any previous "
+        f"checkpoint in {tmp.parent} is still in force"
+    )
+
+
+def _digest_share(tmp: Path, rank: int, world: int) -> dict[str, tuple[int, int]]:
+    """Every file's size and CRC-32, gathered (each rank digests its share); every rank must
+    see the same files, or the directory is not one shared filesystem."""
+    error, names, digests = None, listed_files(tmp), {}
+    try:
+        digests = {n: file_digest(tmp / n) for n in share(names, rank, world)}
+    except OSError as exc:
+        error = f"cannot read back {exc.filename}: {exc.strerror}"
+    if world == 1:
+        _agree_on_save(error, tmp, "could not read back what it wrote")
+        return digests
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (error, names, digests))
+    errors = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(everyone) if e is not None]
+    seen = set().union(*(set(n) for _, n, _ in everyone))
+    for r, (_, theirs, _) in enumerate(everyone):
+        if not errors and set(theirs) != seen:
+            errors.append(f"rank {r} does not see {sorted(seen - set(theirs))[:3]}")
+    if errors:  # the same list on every rank: every rank raises
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"save_state could not record {tmp} ({'; '.join(errors)}) and committed nothing; "
+            "the directory must be one filesystem shared by all ranks"
+        )
+    return {n: d for _, _, part in everyone for n, d in part.items()}
 
 
 def _commit(root: Path, tmp: Path, final: Path, *, step: int, world: int, keep: int) -> Path:
@@ -248,7 +277,7 @@ def _commit(root: Path, tmp: Path, final: Path, *, step: int, world: int, keep: 
     os.replace(tmp_manifest, root / MANIFEST)  # the commit point
     _fsync_path(root)
     old = sorted(p for p in root.glob("step_*") if p.is_dir() and p != final)
-    for path in old[: max(0, len(old) - max(1, keep) + 1)]:
+    for path in old[: max(0, len(old) - keep + 1)]:
         shutil.rmtree(path, ignore_errors=True)
     return final
 
@@ -262,6 +291,7 @@ class CheckpointRead:
     rng: dict[str, Any] | None  # this rank's streams; None when saved by another world size
     saved_world: int | None  # the world size that saved it
     rank_state: dict[str, Any] | None = None  # this rank's own state, when it saved some
+    checked: Any = None  # what read_checkpoint's ``check`` returned (e.g. a resume plan)
 
 
 def read_checkpoint(
@@ -269,14 +299,25 @@ def read_checkpoint(
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
+    check: Callable[[CheckpointRead], Any] | None = None,
 ) -> CheckpointRead | None:
     """Read everything of the latest checkpoint of ``directory`` that can be checked before the
     model is touched, and check that it fits ``model`` and ``optimizer``; modifies nothing.
 
-    Collective: call on every rank. The check against the model reads DCP's metadata: every
-    model entry of the checkpoint must exist in this model and the reverse (a checkpoint of a
-    larger or another model is an error, not a silently loaded subset), with the same shapes.
-    What :func:`apply_checkpoint` then reads in place is only the tensor data.
+    Collective: call on every rank; every rank returns, or every rank raises. Checked, in
+    order: the manifest; every file the load will read against the step directory's listing
+    (present, the size and CRC-32 recorded at save time: a DCP shard cut short is found here,
+    not half-way through loading it; checkpoints written before listings skip this); the
+    trainer state's format, this rank's RNG streams and own state (their structure); the model
+    against DCP's metadata (every model entry of the checkpoint must exist in this model and the
+    reverse, same shapes: a checkpoint of a larger or another model is an error, not a silently
+    loaded subset); and ``check``. What :func:`apply_checkpoint` then reads in place is only
+    tensor data already verified.
+
+    Args:
+        check: called with the read checkpoint on every rank before the verdict; what it
+            returns is kept as ``checked``. A ``ValueError`` it raises refuses the load on every
+            rank (as ``ValueError``; a :class:`CheckpointError` as itself).
 
     Returns:
         ``None`` when ``directory`` holds no checkpoint (it does not exist, or holds neither a
@@ -286,15 +327,59 @@ def read_checkpoint(
         CheckpointError: a file is missing, truncated, corrupted or of another format; the path
             is a file, a step directory or a bare DCP checkpoint rather than a checkpoint
             directory (the message says which directory to pass); the checkpoint does not fit
-            this model. Names the file and, for a mismatch, the entries.
+            this model. Names the file (and the rank whose file it is) and, for a mismatch,
+            the entries. Raised on every rank.
     """
-    path = latest_checkpoint(directory)
-    if path is None:
-        _refuse_foreign(Path(directory))
-        return None
     root = Path(directory)
+    read, error = None, None
+    try:
+        read = _read_files(root)
+    except CheckpointError as exc:
+        error = str(exc)
+    failures, (some_read, some_none) = agree_failures(
+        error, flags=(read is not None, read is None and error is None)
+    )
+    if failures:
+        raise CheckpointError("; ".join(failures))
+    if some_read and some_none:
+        raise CheckpointError(
+            f"some ranks find a checkpoint in {root} and others none: the directory must be "
+            "one filesystem shared by all ranks"
+        )
+    if read is None:
+        return None
+    error = model_mismatch(read.path / "state", root, model)  # collective: on every rank
+    refused = False
+    if error is None and check is not None:
+        try:
+            read = replace(read, checked=check(read))
+        except CheckpointError as exc:
+            error = str(exc)
+        except (ValueError, TypeError, KeyError) as exc:
+            error, refused = str(exc), True
+    failures, (a_file,) = agree_failures(error, flags=(error is not None and not refused,))
+    if failures:
+        # A field the check refused stays a ValueError on every rank; a file, a CheckpointError.
+        raise (CheckpointError if a_file else ValueError)("; ".join(failures))
+    return read
+
+
+def _read_files(root: Path) -> CheckpointRead | None:
+    """This rank's part of :func:`read_checkpoint`, before any collective."""
+    path = latest_checkpoint(root)
+    if path is None:
+        refuse_foreign(root)
+        return None
     rank, world = _dist()
-    trainer = _load_file(path / "trainer.pt", root)
+    try:
+        listing = read_listing(path)
+    except (OSError, ValueError) as exc:
+        raise unreadable(path / LISTING, exc, root) from exc
+    if listing is not None:
+        problem = verify_files(path, listing, rank=rank, world=world)
+        if problem is not None:
+            raise unreadable(problem[0], problem[1], root)
+    trainer = load_file(path / "trainer.pt", root)
     meta = trainer.get("meta") if isinstance(trainer, dict) else None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(
@@ -304,107 +389,29 @@ def read_checkpoint(
         )
     assert isinstance(trainer, dict)
     saved_world = meta.get("world_size")
-    rng, error = None, None
-    own = None
+    rng, own = None, None
     if saved_world == world:
-        try:
-            rng = _load_file(path / f"rng_{rank}.pt", root)
-            if (path / f"rank_{rank}.pt").exists():
-                own = _load_file(path / f"rank_{rank}.pt", root)
-        except CheckpointError as exc:
-            error = str(exc)
-    mismatch = _mismatch(path / "state", root, model)  # collective: on every rank
-    error = mismatch if error is None else error
-    if world > 1:
-        # Per-rank files fail on one rank only: agree, so that no rank trains on while a peer
-        # has raised (it would wait in its first collective until the timeout).
-        errors: list[str | None] = [None] * world
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise CheckpointError(error)
+        rng = _load_checked(path / f"rng_{rank}.pt", root, check_rng)
+        own_file = path / f"rank_{rank}.pt"
+        if (own_file.name in listing) if listing is not None else own_file.exists():
+            own = _load_checked(own_file, root, _check_dict)
     world_saved = saved_world if isinstance(saved_world, int) else None
     return CheckpointRead(path, trainer, rng, world_saved, own)
 
 
-def _refuse_foreign(root: Path) -> None:
-    """No manifest: nothing to resume, unless ``root`` is something a user may have mistaken
-    for a checkpoint directory (then say what to pass instead of starting from scratch)."""
-    if not root.exists():
-        return
-    if not root.is_dir():
-        raise CheckpointError(
-            f"{root} is a file, not a checkpoint directory: pass the directory given to "
-            "save_state()"
-        )
-    if (root / "trainer.pt").exists() or (root / "state").is_dir():
-        raise CheckpointError(
-            f"{root} is one step of a checkpoint directory, not the directory itself: pass "
-            f"its parent {root.parent} (its {MANIFEST} says which step is complete)"
-        )
-    if (root / ".metadata").exists():
-        raise CheckpointError(
-            f"{root} is a bare torch.distributed.checkpoint directory, not one written by "
-            "save_state() (no trainer state: step, scaler, scheduler); load it with "
-            "torch.distributed.checkpoint.load, or pass a directory save_state() wrote"
-        )
-    steps = sorted(p.name for p in root.glob("step_*") if p.is_dir())
-    if steps:
-        raise CheckpointError(
-            f"{root} holds step directories ({', '.join(steps)}) but no {MANIFEST}, so none "
-            f'is known to be complete: write {{"path": "<step directory>"}} to {root / MANIFEST}'
-            " to resume from one, or move them away to start over"
-        )
+def _check_dict(state: Any) -> None:
+    if not isinstance(state, dict):
+        raise ValueError(f"expected a dict, got {type(state).__name__}")
 
 
-def _mismatch(state_dir: Path, root: Path, model: nn.Module) -> str | None:
-    """Why the checkpoint in ``state_dir`` does not fit ``model``, or ``None``. Collective when
-    distributed, on every rank whatever happened before (pipeline stages each hold part of the
-    model: an entry is foreign only when no rank of the job has it, so the ranks' names are
-    gathered once). The model's entries only: the optimizer's would have to be materialised
-    first (torch builds a fresh optimizer's state with a step of zeros to list them), which a
-    refused load must not do; its entries follow the parameters, and DCP refuses a missing one
-    before reading."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    mine = get_model_state_dict(model, options=_state_dict_options())
-    job = set(mine)
-    if _dist()[1] > 1:
-        everyone: list[Any] = [None] * _dist()[1]
-        dist.all_gather_object(everyone, sorted(mine))
-        job = {k for keys in everyone for k in keys}
+def _load_checked(path: Path, root: Path, check: Callable[[Any], None]) -> Any:
+    """:func:`load_file`, then ``check`` of its structure (a refusal names the file)."""
+    state = load_file(path, root)
     try:
-        saved = FileSystemReader(str(state_dir)).read_metadata().state_dict_metadata
-    except Exception as exc:  # a missing or corrupted .metadata
-        return str(_unreadable(state_dir, exc, root))
-    theirs = {k.split(".", 1)[1]: v for k, v in saved.items() if k.startswith("model.")}
-    problems = []
-    for what, keys in (
-        ("entries this model does not have", set(theirs) - job),
-        ("model entries missing from the checkpoint", set(mine) - set(theirs)),
-    ):
-        if keys:
-            shown = ", ".join(sorted(keys)[:5])
-            more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
-            problems.append(f"{len(keys)} {what} ({shown}{more})")
-    for key in sorted(set(theirs) & set(mine)):
-        meta, value = theirs[key], mine[key]
-        if (
-            isinstance(meta, TensorStorageMetadata)
-            and isinstance(value, torch.Tensor)
-            and tuple(meta.size) != tuple(value.shape)
-        ):
-            problems.append(
-                f"{key}: shape {tuple(meta.size)} in the checkpoint, {tuple(value.shape)} here"
-            )
-    if not problems:
-        return None
-    return (
-        f"checkpoint {state_dir.parent} does not fit this model: {'; '.join(problems[:6])}. "
-        "It was saved from another model; nothing was loaded"
-    )
+        check(state)
+    except ValueError as exc:
+        raise unreadable(path, f"not what distamp writes there ({exc})", root) from None
+    return state
 
 
 def apply_checkpoint(
@@ -414,15 +421,16 @@ def apply_checkpoint(
     ``optimizer``, and restore this rank's RNG streams. Collective: call on every rank.
 
     Raises:
-        CheckpointError: a DCP shard is corrupted. DCP reads into the model's own tensors, so
-            they may then hold part of it: do not train on after the error.
+        CheckpointError: DCP could not read a shard that :func:`read_checkpoint` verified (a
+            file changed in between, a read error; checkpoints without a listing: a corrupted
+            shard). DCP reads into the model's own tensors, so they may then hold part of it:
+            do not train on after the error.
     """
     from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = read.path
-    msd, osd = get_state_dict(model, optimizer, options=_state_dict_options())
+    msd, osd = get_state_dict(model, optimizer, options=state_dict_options())
     state: dict[str, Any] = {"model": msd, "optim": osd}
     try:
         with _single_process_quiet():
@@ -430,13 +438,13 @@ def apply_checkpoint(
     except (Exception, CheckpointException) as exc:  # the latter is a BaseException
         # DCP has already agreed on the failure across ranks (it gathers every rank's
         # exception), so every rank raises here and none is left waiting in a collective.
-        raise _unreadable(path / "state", exc, path.parent) from exc
+        raise unreadable(path / "state", exc, path.parent) from exc
     set_state_dict(
         model,
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optim"],
-        options=_state_dict_options(),
+        options=state_dict_options(),
     )
     if read.rng is not None:
         restore_rng(read.rng)
@@ -473,11 +481,3 @@ def load_checkpoint(
         return None
     apply_checkpoint(read, model=model, optimizer=optimizer)
     return read.trainer
-
-
-def _load_file(path: Path, root: Path) -> Any:
-    """``torch.load`` with ``weights_only``; any failure becomes a :class:`CheckpointError`."""
-    try:
-        return torch.load(path, weights_only=True)
-    except Exception as exc:  # zip errors, unpickling errors, EOF, missing file...
-        raise _unreadable(path, exc, root) from exc

@@ -42,6 +42,7 @@ from distamp.parallel.replicas import is_ft_ddp, is_ft_manager
 from distamp.parallel.strategies import COMM_HOOKS, SHARDED, STRATEGIES
 from distamp.precision.describe import describe_policy
 from distamp.precision.policy import AutocastPolicy, Precision, PrecisionLike, parse_precision
+from distamp.precision.requirements import check_parameter_dtypes, check_policy_precision
 from distamp.scaler import DistributedGradScaler
 
 __all__ = [
@@ -116,11 +117,8 @@ class AMPConfig:
                 raise ValueError(
                     f"policy={self.policy!r} must be a distamp.AutocastPolicy, 'default' or None"
                 )
-            if self.policy.precision != self.precision:
-                raise ValueError(
-                    f"policy={self.policy!r} is for {self.policy.precision}, but "
-                    f"precision={self.precision.name!r}: pass the same precision to both"
-                )
+            given = f"precision={self.precision.name!r}"
+            check_policy_precision(self.policy, self.precision, given=given)
         if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook={self.comm_hook!r} is not one of {COMM_HOOKS} or None")
         fsdp2_ok = self.comm_hook in ("fp8", "fp8-ef") and self.strategy == "fsdp2"
@@ -252,13 +250,21 @@ def make_config(
 
 
 def parse_device(device: str | torch.device | None) -> torch.device | None:
-    """``device`` as a ``torch.device`` (``None`` stays ``None``); ``ValueError`` if unknown."""
-    if device is None or isinstance(device, torch.device):
-        return device
+    """``device`` as a ``torch.device`` (``None`` stays ``None``); ``ValueError`` if unknown or
+    absent here (torch would fail at setup with "Torch not compiled with CUDA enabled")."""
+    if device is None:
+        return None
     try:
-        return torch.device(device)
+        parsed = torch.device(device)
     except (RuntimeError, TypeError, ValueError, OverflowError) as exc:  # 2**63: ValueError
         raise ValueError(f"device={device!r} is not a torch device: {exc}") from None
+    count = getattr(getattr(torch, parsed.type, None), "device_count", None)  # torch.cuda...
+    if parsed.type != "cpu" and callable(count) and (parsed.index or 0) >= count():
+        raise ValueError(
+            f"device={device!r}: torch sees {count()} {parsed.type} device(s) on this machine; "
+            "pass device='cpu', or None (this rank's GPU when there is one, else the CPU)"
+        )
+    return parsed
 
 
 def _real(name: str, value: Any) -> float:
@@ -414,6 +420,7 @@ def check_setup(
     (:func:`~distamp.parallel.ddp.check_sparse_gradients`), then, in one collective, that every
     rank has the same settings (:class:`~distamp.cluster.SettingsMismatchError` on every rank)."""
     check_optimizer(optimizer, model)
+    check_parameter_dtypes(model, cfg.precision, owner="DistAMP.setup(model=...)")
     check_scaler(cfg, device)
     _check_combinations(cfg, strategy, optimizer, scheduler)
     check_sparse_gradients(model, cfg.comm_hook)

@@ -45,7 +45,7 @@ from distamp.engine.config import (
     training_device,
 )
 from distamp.engine.loop import RunLoop, pipeline_stages
-from distamp.engine.resume import plan_resume
+from distamp.engine.resume import check_resume
 from distamp.observe.diagnostics import NonFiniteTracer
 from distamp.observe.metrics import Metrics, StepResult
 from distamp.observe.numerics import NumericStats
@@ -77,7 +77,8 @@ __all__ = ["AMPConfig", "DistAMP", "StepResult"]
 
 
 class DistAMP(RunLoop):
-    """Mixed-precision training engine.
+    """Mixed-precision training engine. The settings that must be identical on every rank are
+    compared once, at :meth:`setup`.
 
     Args:
         precision: any spelling :func:`~distamp.precision.policy.parse_precision` accepts
@@ -85,21 +86,22 @@ class DistAMP(RunLoop):
             :class:`~distamp.DistributedGradScaler`; bf16 and fp32 a check-only one (non-finite
             steps still skipped on every rank); "fp8": the policy's selected Linear layers as
             torchao float8 layers, the rest bf16, check-only (:mod:`distamp.precision.fp8`).
-        strategy: "ddp", "fsdp" (FSDP1), "fsdp2" (``fully_shard``), "none", or "auto" (ddp when
-            more than one rank, else none).
+        strategy: "ddp", "fsdp" (FSDP1), "fsdp2" (``fully_shard``), "hsdp" (FSDP2 sharded within
+            groups of ``hsdp_shard_size`` ranks, replicated across them), "none", or "auto" (ddp
+            when more than one rank, else none).
         policy: an :class:`~distamp.AutocastPolicy` (its precision must be ``precision``), or
-            ``"default"`` for ``AutocastPolicy(precision)``: fp32 modules and ops, identical on
-            CPU and CUDA; under FSDP also the per-unit gather/reduce dtypes. ``None``: plain
-            autocast.
-        comm_hook: gradient communication aware of loss scaling: "fp16", "bf16", "fp8", "fp8-ef",
-            "powersgd", "fp32" for DDP, "fp8"/"fp8-ef" for FSDP2 (:mod:`~.parallel.comm_hooks`).
+            ``"default"`` for ``AutocastPolicy(precision)``: fp32 modules and ops, the same on CPU
+            and CUDA; under FSDP also the per-unit gather/reduce dtypes. ``None``: plain autocast.
+        comm_hook: gradient exchange aware of loss scaling (:mod:`~.parallel.comm_hooks`): for
+            DDP "fp16", "bf16", "fp8", "fp8-ef", "powersgd" or "fp32" (DDP's all-reduce, counted);
+            for FSDP2 "fp8"/"fp8-ef". ``None``: no hook, the wrapper's own uncompressed exchange
+            (DDP's all-reduce, FSDP's reduce-scatter); ``grad_bytes`` then comes from the sizes.
         hsdp_shard_size: ranks per shard group for ``strategy="hsdp"`` (default: one node).
         mesh: the job's ``DeviceMesh`` when you parallelised the model yourself, torchtitan
             style (``parallelize_module`` for TP, ``fully_shard`` over dp, pipeline stages): the
-            engine then wraps nothing and adds precision, scaling, clipping and checkpoints.
-            The skip and the clipping norm are agreed over the whole job whatever the mesh.
-            A model that is already parallelised (DDP, FSDP, DTensor parameters) is detected and
-            left as it is even without ``mesh``.
+            engine then wraps nothing and adds precision, scaling, clipping and checkpoints (the
+            skip and the clipping norm agreed over the whole job). A model already parallelised
+            (DDP, FSDP, DTensor parameters) is detected and left as it is even without ``mesh``.
         grad_accum_steps: micro-batches per optimizer step; each loss is divided by it.
         max_grad_norm: clip the total gradient norm to this after unscaling; ``None``: no clip.
         scaler: a scaler to use instead of the default one (e.g. ``sync_free=True``).
@@ -123,8 +125,6 @@ class DistAMP(RunLoop):
         ValueError: a bad setting; the message names the field and echoes the value.
         TypeError: a flag that is not a bool (``ddp_kwargs``' too), ``ddp_kwargs`` not a
             mapping, ``ft_manager`` not a ``torchft.Manager``.
-
-    The settings that must be identical on every rank are compared once, at :meth:`setup`.
     """
 
     # What the engine holds, set in __init__ and completed by setup().
@@ -167,27 +167,16 @@ class DistAMP(RunLoop):
         ddp_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = make_config(
-            precision,
-            policy=policy,
-            timeout=timeout,
-            device=device,
-            strategy=strategy,
-            comm_hook=comm_hook,
-            hsdp_shard_size=hsdp_shard_size,
-            mesh=mesh,
-            grad_accum_steps=grad_accum_steps,
-            max_grad_norm=max_grad_norm,
-            scaler=scaler,
-            trust_ddp_sync=trust_ddp_sync,
-            ft_manager=ft_manager,
-            trace_nonfinite=trace_nonfinite,
-            numerics_interval=numerics_interval,
+            precision, policy=policy, timeout=timeout, device=device, strategy=strategy,
+            comm_hook=comm_hook, hsdp_shard_size=hsdp_shard_size, mesh=mesh,
+            grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm, scaler=scaler,
+            trust_ddp_sync=trust_ddp_sync, ft_manager=ft_manager,
+            trace_nonfinite=trace_nonfinite, numerics_interval=numerics_interval,
             ddp_kwargs=ddp_kwargs,
-        )
+        )  # fmt: skip
         self.strategy, self.mp_owner, self.device = strategy, "none", torch.device("cpu")
         self.scaler = scaler if scaler is not None else DistributedGradScaler("cpu", enabled=False)
-        self.scheduler = None
-        self.metrics = Metrics(self.device)
+        self.scheduler, self.metrics = None, Metrics(self.device)
         self.tracer, self.fp8, self.comm_hook_state, self.quorum = None, None, None, None
         self.adaptive, self.skips = None, SkipReports()
         self.step_count, self.cycle = 0, MicroBatchCycle(self.config.grad_accum_steps)
@@ -238,7 +227,7 @@ class DistAMP(RunLoop):
         if self._model is not None:
             raise RuntimeError("DistAMP.setup() was already called: use one DistAMP per model")
         if not is_distributed():
-            init_distributed(timeout=self.config.timeout)  # a no-op for a single process
+            init_distributed(timeout=self.config.timeout, warn_if_single=False)  # one process: none
             self._owns_group = is_distributed()
         cfg = self.config
         self.device = training_device(cfg)
@@ -330,6 +319,7 @@ class DistAMP(RunLoop):
         With a policy: the policy's context (autocast plus its fp32 ops), also under FSDP's
         casting, so that fp32 units and ops mix with low-precision ones. With ``ft_manager``,
         the first call of a step starts the step's torchft quorum."""
+        self.cycle.require_setup("autocast", set_up=self._model is not None)
         if self.quorum is not None:
             self.quorum.begin()
         if self.config.policy is not None:
@@ -348,6 +338,7 @@ class DistAMP(RunLoop):
     def accumulate(self) -> AbstractContextManager[None]:
         """Wrap forward and backward of one micro-batch: all but the last micro-batch of a cycle
         skip gradient communication (DDP/FSDP1 ``no_sync``, FSDP2's gradient sync flag)."""
+        self.cycle.require_setup("accumulate", set_up=self._model is not None)
         if self.is_last_micro_step or self.strategy == "none":
             return nullcontext()
         return gradient_sync_disabled(self.model, first=self.cycle.first)
@@ -359,7 +350,7 @@ class DistAMP(RunLoop):
             loss: this micro-batch's mean loss, as computed (unscaled, undivided).
             tokens: tokens in the micro-batch, for the throughput figure.
         """
-        self.cycle.check_backward()
+        tokens = self.cycle.check_backward(loss, tokens, set_up=self._model is not None)
         if self.quorum is not None:  # the forward ran outside autocast(): the quorum is due
             self.quorum.begin()
         self.metrics.record(loss, tokens)
@@ -379,9 +370,8 @@ class DistAMP(RunLoop):
         plus one to read the skip decision when a scheduler is attached (a Python scheduler cannot
         be stepped conditionally on device).
         """
-        opt, scaler = self.optimizer, self.scaler
+        opt, scaler, norm = self.optimizer, self.scaler, None
         self.cycle.check_step()
-        norm = None
         # An adaptive run watches the scaler: it reads and decides inside the scaler's calls.
         with named_collective("step (overflow flag and norm agreement)", self.config.timeout):
             # 1. clip: unscale + overflow check + norm in one pass and the step's one
@@ -444,37 +434,44 @@ class DistAMP(RunLoop):
     def load_state(self, directory: str | Path) -> bool:
         """Load the latest checkpoint of ``directory``, if any. Collective: call on every rank.
 
-        Everything is checked before anything is applied (files, the model's and optimizer's
-        entries and shapes, every trainer field: :mod:`distamp.engine.resume`); a checkpoint of
-        another precision keeps its loss scale only between fp16 runs (a log line says so).
+        Everything is checked before anything is applied (every file's size and CRC, entries and
+        shapes, every trainer field: :mod:`distamp.engine.resume`), and every rank loads or none
+        does; the loss scale is carried over only between fp16 runs (a log line says so).
 
         Returns:
             True if a checkpoint was loaded, False if ``directory`` holds none.
 
         Raises:
-            CheckpointError: a file is unreadable, the path is not a checkpoint directory, or
-                the checkpoint does not fit this model; nothing changed (the file is named).
+            CheckpointError: a file is damaged, the path is not a checkpoint directory, or the
+                checkpoint does not fit this model; nothing changed (file and rank are named).
             ValueError: a trainer field is malformed or does not fit; nothing changed.
         """
         with named_collective("load_state (checkpoint read)", self.config.timeout):
-            read = read_checkpoint(directory, model=self.model, optimizer=self.optimizer)
+            read = read_checkpoint(directory, model=self.model, optimizer=self.optimizer,
+                check=lambda r: check_resume(r, precision=self.precision, scaler=self.scaler,
+                scheduler=self.scheduler, adaptive=self.adaptive, comm_state=self.comm_hook_state),
+            )  # fmt: skip
             if read is None:
                 return False
-            plan = plan_resume(
-                read.trainer, read.path / "trainer.pt", precision=self.precision,
-                scaler=self.scaler, scheduler=self.scheduler, adaptive=self.adaptive,
-            )  # fmt: skip
             apply_checkpoint(read, model=self.model, optimizer=self.optimizer)
             load_comm_state(self.comm_hook_state, read.rank_state)  # error-feedback residuals
             if self.fp8 is not None:
                 self.fp8.after_step(self.model)  # the loaded weights' float8 scales
-        self.step_count = plan.apply(self.scaler, self.scheduler, self.adaptive, self.skips)
+        self.step_count = read.checked.apply(self.scaler, self.scheduler, self.adaptive, self.skips)
         return True
 
     def numerics(self) -> NumericStats | None:
         """The numeric monitor's latest agreed report (identical on every rank; no sync), or
         ``None`` before the first report or without a monitor."""
         return None if self.adaptive is None else self.adaptive.latest
+
+    def export(self, example_inputs: Any, **options: Any) -> Any:
+        """The trained model as a ``torch.export.ExportedProgram`` in its trained precision: the
+        policy's fp32 islands and the adaptive promotions as explicit casts. No collective:
+        call it on one rank. Options and errors: :func:`distamp.deploy.export_engine`."""
+        from distamp.deploy.export import export_engine
+
+        return export_engine(self, example_inputs, **options)
 
     def close(self) -> None:
         """Finish the job cleanly on every rank (collective; idempotent; no training after).

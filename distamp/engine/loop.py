@@ -7,6 +7,7 @@ It sees the engine through :class:`Engine` only, so it does not import the engin
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from distamp.arguments import ArgumentTypeError, integer_or_none
 from distamp.cluster import named_collective
 from distamp.engine.accounting import MicroBatchCycle, SkipReports
 from distamp.engine.config import AMPConfig
@@ -23,7 +25,7 @@ from distamp.precision.fp8 import Float8Training
 from distamp.scaler import DistributedGradScaler
 from distamp.torch_compat import is_pipeline_stage
 
-__all__ = ["Engine", "RunLoop", "pipeline_stages"]
+__all__ = ["Engine", "RunLoop", "check_fit_arguments", "pipeline_stages"]
 
 
 class Engine(Protocol):
@@ -94,7 +96,19 @@ class RunLoop:
 
         Returns:
             The last collected window (``None`` if there was nothing to do).
+
+        Raises:
+            TypeError, ValueError: a bad argument, named, before anything ran
+                (:func:`check_fit_arguments`).
         """
+        args = check_fit_arguments(
+            batch=batch, loss_fn=loss_fn, steps=steps, tokens_per_batch=tokens_per_batch,
+            log_interval=log_interval, on_log=on_log, on_step=on_step,
+            stop_requested=stop_requested, checkpoint_dir=checkpoint_dir,
+            checkpoint_interval=checkpoint_interval,
+        )  # fmt: skip
+        steps, tokens_per_batch = args["steps"], args["tokens_per_batch"]
+        log_interval, checkpoint_interval = args["log_interval"], args["checkpoint_interval"]
         n, stats, model = self.config.grad_accum_steps, None, self.model
         cfg_timeout = self.config.timeout
         saved_at = self.step_count  # a resumed run that has nothing left to do saves nothing
@@ -163,6 +177,47 @@ class RunLoop:
             schedule.step(*args, **kwargs)
         self.cycle.fill()
         return self.step()
+
+
+# fit's whole-number arguments: the least value, and what the number is.
+_FIT_COUNTS = {
+    "steps": (0, "the optimizer step to stop at"),
+    "tokens_per_batch": (0, "tokens in one micro-batch (0: not counted)"),
+    "log_interval": (1, "optimizer steps between metrics collections"),
+    "checkpoint_interval": (0, "optimizer steps between saves (0: only at the end)"),
+}
+_FIT_CALLABLES = ("batch", "loss_fn", "on_log", "on_step", "stop_requested")
+
+
+def check_fit_arguments(**given: Any) -> dict[str, Any]:
+    """:meth:`RunLoop.fit`'s arguments checked whole, before the first step: a bad one would
+    otherwise fail steps later (``log_interval=0``: a ``ZeroDivisionError`` after the first
+    step; a string callback: at the first logging step). Returns them with the counts as ints.
+
+    Raises:
+        ArgumentTypeError: (a ``TypeError`` and a ``ValueError``) a count that is no whole
+            number, a callback that is not callable, a ``checkpoint_dir`` that is not a path.
+        ValueError: a count below its least value.
+    """
+    out = dict(given)
+    for name, (low, what) in _FIT_COUNTS.items():
+        count = integer_or_none(given[name])
+        if count is None or count < low:
+            raise (ArgumentTypeError if count is None else ValueError)(
+                f"fit({name}={given[name]!r}): {what}; give a whole number >= {low}"
+            )
+        out[name] = count
+    for name in _FIT_CALLABLES:
+        optional = name not in ("batch", "loss_fn")
+        if not callable(given[name]) and not (optional and given[name] is None):
+            raise ArgumentTypeError(
+                f"fit({name}={given[name]!r:.80}): expected a function"
+                + (" or None" if optional else "")
+            )
+    folder = given["checkpoint_dir"]
+    if folder is not None and not isinstance(folder, (str, os.PathLike)):
+        raise ArgumentTypeError(f"fit(checkpoint_dir={folder!r:.80}): expected a path or None")
+    return out
 
 
 def pipeline_stages(model: Any) -> tuple[list[Any], nn.Module]:

@@ -26,10 +26,13 @@ import torch.distributed as dist
 
 from distamp.cluster import is_distributed
 from distamp.engine.accounting import SkipReports
+from distamp.engine.checkpoint import CheckpointRead
+from distamp.engine.checkpoint_layout import unreadable
+from distamp.parallel.comm_hooks import check_comm_state
 from distamp.precision.policy import Precision, parse_precision
 from distamp.scaler import DistributedGradScaler
 
-__all__ = ["ResumePlan", "plan_resume"]
+__all__ = ["ResumePlan", "check_resume", "plan_resume"]
 
 _log = logging.getLogger("distamp.engine")
 _KNOWN = frozenset({"step", "scaler", "scheduler", "adaptive", "precision", "meta"})
@@ -59,6 +62,36 @@ class ResumePlan:
         if self.note is not None and (not is_distributed() or dist.get_rank() == 0):
             _log.warning("%s", self.note)
         return self.step
+
+
+def check_resume(
+    read: CheckpointRead,
+    *,
+    precision: Precision,
+    scaler: DistributedGradScaler,
+    scheduler: Any,
+    adaptive: Any,
+    comm_state: Any,
+) -> ResumePlan:
+    """Everything of ``read`` that is specific to this engine, checked (the ``check`` of
+    :func:`~distamp.engine.checkpoint.read_checkpoint`, so that the ranks agree on it): this
+    rank's own state against the comm hook's, then the trainer state (:func:`plan_resume`).
+
+    Raises:
+        CheckpointError: this rank's ``rank_<r>.pt`` is not the comm hook's state (names it).
+        ValueError: a trainer field is malformed or does not fit (names the file and field).
+    """
+    rank = dist.get_rank() if is_distributed() else 0
+    try:
+        check_comm_state(comm_state, read.rank_state)
+    except ValueError as exc:
+        why = f"not this run's comm hook state ({exc})"
+        raise unreadable(read.path / f"rank_{rank}.pt", why, read.path.parent) from None
+    trainer_file = read.path / "trainer.pt"
+    return plan_resume(
+        read.trainer, trainer_file, precision=precision, scaler=scaler, scheduler=scheduler,
+        adaptive=adaptive,
+    )  # fmt: skip
 
 
 def _field(file: Path, name: str, why: str, value: Any) -> ValueError:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["capture_rng", "restore_rng"]
+__all__ = ["capture_rng", "check_rng", "restore_rng"]
 
 
 def capture_rng() -> dict[str, Any]:
@@ -27,6 +27,24 @@ def capture_rng() -> dict[str, Any]:
         name, keys, pos, has_gauss, gauss = np.random.get_state()
         state["numpy"] = (name, torch.from_numpy(keys.copy()), pos, has_gauss, gauss)
     return state
+
+
+def check_rng(state: Any) -> None:
+    """Check that ``state`` has the structure :func:`capture_rng` gives, so that a damaged file
+    is refused before a checkpoint is applied rather than half-way through (``ValueError``
+    naming the entry)."""
+    if not isinstance(state, dict) or not {"torch", "python"} <= set(state):
+        raise ValueError(f"expected a dict with 'torch' and 'python' streams, got {state!r:.120}")
+    if not isinstance(state["torch"], torch.Tensor) or state["torch"].dtype != torch.uint8:
+        raise ValueError(f"'torch' must be a uint8 tensor, got {state['torch']!r:.120}")
+    if not isinstance(state["python"], tuple) or len(state["python"]) != 3:
+        raise ValueError(f"'python' must be random.getstate()'s, got {state['python']!r:.120}")
+    cuda = state.get("cuda", [])
+    if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) for t in cuda):
+        raise ValueError(f"'cuda' must be a list of tensors, got {cuda!r:.120}")
+    numpy_state = state.get("numpy", ("", torch.zeros(0), 0, 0, 0.0))
+    if not isinstance(numpy_state, tuple) or len(numpy_state) != 5:
+        raise ValueError(f"'numpy' must be a 5-tuple, got {numpy_state!r:.120}")
 
 
 def restore_rng(state: dict[str, Any]) -> None:

@@ -51,9 +51,12 @@ from accelerate.logging import get_logger  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
+from distamp.cluster.agreement import agree_failures  # noqa: E402
 from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
 from distamp.precision.adaptive_run import AdaptiveRun, change_metrics  # noqa: E402
+from distamp.precision.policy import parse_precision  # noqa: E402
+from distamp.precision.requirements import check_policy_precision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
 __all__ = ["ACCELERATE_VERSION", "SUPPORTED", "DistAMPAccelerator", "DistAMPOptimizer"]
@@ -61,6 +64,18 @@ __all__ = ["ACCELERATE_VERSION", "SUPPORTED", "DistAMPAccelerator", "DistAMPOpti
 SCALER_FILE = "scaler.pt"  # the name Accelerate's save_state gives the scaler's state
 ADAPTIVE_FILE = "distamp_adaptive.pt"  # the adaptive run's state, beside Accelerate's files
 _logger = get_logger("distamp.precision")
+
+
+def _check_policy(policy: Any, mode: str) -> None:
+    """The policy's precision is the accelerator's (``ValueError``, see
+    :func:`~distamp.precision.requirements.check_policy_precision`): an fp16 policy in a bf16
+    accelerator would compute in fp16 under a check-only scaler, with no loss scaling and no
+    word. A mode distamp does not parse is left to Accelerate to refuse."""
+    try:
+        precision = parse_precision(mode)
+    except ValueError:
+        return
+    check_policy_precision(policy, precision, given=f"mixed_precision={str(mode)!r}")
 
 
 class DistAMPOptimizer(AcceleratedOptimizer):
@@ -128,8 +143,9 @@ class DistAMPAccelerator(Accelerator):
 
     Raises:
         ValueError: ``scaler`` given without mixed precision, or with DeepSpeed, Megatron-LM or
-            MS-AMP, which own loss scaling themselves; an adaptive policy whose precision is
-            not the accelerator's, or with no distamp scaler to drive it.
+            MS-AMP, which own loss scaling themselves; a policy whose precision is not the
+            accelerator's (:mod:`~distamp.precision.requirements`); an adaptive policy with no
+            distamp scaler to drive it.
     """
 
     adaptive: AdaptiveRun | None = None
@@ -143,6 +159,8 @@ class DistAMPAccelerator(Accelerator):
         trust_ddp_sync: bool = False,
         **kwargs: Any,
     ) -> None:
+        if isinstance(kwargs.get("mixed_precision"), str):  # refused before Accelerate's state
+            _check_policy(policy, kwargs["mixed_precision"])  # exists: it can be set only once
         super().__init__(*args, **kwargs)
         self.policy = policy
         self.trust_ddp_sync = bool(trust_ddp_sync)
@@ -151,6 +169,7 @@ class DistAMPAccelerator(Accelerator):
         self._pending_scaler: dict[str, Any] | None = None  # checked before a load, applied after
         self._pending_adaptive: dict[str, Any] | None = None  # likewise
         mode = self.state.mixed_precision
+        _check_policy(policy, mode)  # also when the precision came from Accelerate's config
         fp16 = mode == "fp16"
         own_scaling = self.distributed_type in (
             DistributedType.DEEPSPEED,
@@ -289,19 +308,47 @@ class DistAMPAccelerator(Accelerator):
 
     # ------------------------------------------------------------------ state
     def _check_scaler_file(self, _models: list[Any], input_dir: str) -> None:
-        """Before Accelerate loads anything: read and check the scaler's file, so that a bad
-        one is refused while the model and optimizer are still as they were."""
-        self._pending_scaler = None
-        self._pending_adaptive = self._read_adaptive(input_dir)
+        """Before Accelerate loads anything: read and check distamp's files, so that a bad one
+        is refused (on every rank) while the model and optimizer are still as they were."""
+        self._pending_scaler, self._pending_adaptive = self.check_checkpoint(input_dir)
+
+    def check_checkpoint(self, folder: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """Read and check distamp's files of the checkpoint ``folder`` (the scaler's
+        ``scaler.pt``, ``distamp_adaptive.pt``); changes nothing. Collective: a file one rank
+        refuses is refused on every rank, so none trains on while another has stopped.
+
+        :meth:`load_state` calls it before Accelerate loads anything, ``DistAMPTrainer`` before
+        the Trainer loads the model. Before the adaptive run exists (the model not prepared
+        yet), its file is read and its structure checked; the rest when it is loaded.
+
+        Returns:
+            The scaler's state and the adaptive state, checked (``None`` where there is none).
+
+        Raises:
+            ValueError: a file is unreadable or does not fit this run, naming it and the rank.
+        """
+        error: str | None = None
+        states: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None)
+        try:
+            states = (self._read_scaler(folder), self._read_adaptive(folder))
+        except ValueError as exc:
+            error = str(exc)
+        failures, _ = agree_failures(error)
+        if failures:
+            raise ValueError("; ".join(failures))
+        return states
+
+    def _read_scaler(self, input_dir: str) -> dict[str, Any] | None:
         scaler = self.scaler
         path = os.path.join(input_dir, SCALER_FILE)
         ours = isinstance(scaler, DistributedGradScaler) and scaler.is_enabled()
-        if ours and os.path.exists(path):
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True)
-                self._pending_scaler = scaler.check_state_dict(state)
-            except Exception as exc:  # unreadable, or a value the scaler refuses
-                raise ValueError(f"checkpoint file {path}: {exc}; nothing was loaded") from None
+        if not ours or not os.path.exists(path):
+            return None
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            return scaler.check_state_dict(state)  # type: ignore[no-any-return]
+        except Exception as exc:  # unreadable, or a value the scaler refuses
+            raise ValueError(f"checkpoint file {path}: {exc}; nothing was loaded") from None
 
     def load_state(
         self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
@@ -355,13 +402,18 @@ class DistAMPAccelerator(Accelerator):
 
     def _read_adaptive(self, input_dir: str) -> dict[str, Any] | None:
         """The checkpoint's adaptive state, checked against this run (``None`` when either has
-        none: a run that starts adapting from a plain checkpoint starts with no changes)."""
+        none: a run that starts adapting from a plain checkpoint starts with no changes); its
+        structure only while the policy's run is not built yet."""
         path = os.path.join(input_dir, ADAPTIVE_FILE)
-        if self.adaptive is None or not os.path.exists(path):
+        parts = (getattr(self.policy, k, None) for k in ("adaptive", "backward_scales"))
+        if (self.adaptive is None and all(p is None for p in parts)) or not os.path.exists(path):
             return None
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-            self.adaptive.check_state_dict(state)
+            if self.adaptive is not None:
+                self.adaptive.check_state_dict(state)
+            elif not isinstance(state, dict) or "monitor" not in state:
+                raise ValueError(f"expected a dict with a 'monitor' entry, got {state!r:.120}")
         except Exception as exc:  # unreadable, or modules/values this run refuses
             raise ValueError(f"checkpoint file {path}: {exc}; nothing was loaded") from None
         return state  # type: ignore[no-any-return]

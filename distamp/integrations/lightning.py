@@ -17,7 +17,9 @@ torchrun, SLURM and the MPI launchers.
 
 The Trainer's plugins, :class:`DistAMPTrainerPrecision` and :class:`DistAMPFSDPPrecision`, live in
 :mod:`distamp.integrations.lightning_trainer` and :mod:`distamp.integrations.lightning_fsdp`, and
-are importable from here too.
+are importable from here too, as is the callback :class:`DistAMPResumeCheck`
+(:mod:`distamp.integrations.lightning_resume`: a resumed checkpoint the plug-in refuses is refused
+before Lightning restores the model).
 
 Verified with the releases in :data:`SUPPORTED`; older ones are refused at import, newer ones warn.
 """
@@ -50,10 +52,12 @@ from distamp.precision.adaptive_run import (  # noqa: E402
     plugin_state,
 )
 from distamp.precision.policy import parse_precision  # noqa: E402
+from distamp.precision.requirements import check_policy_precision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
 if TYPE_CHECKING:
     from distamp.integrations.lightning_fsdp import DistAMPFSDPPrecision
+    from distamp.integrations.lightning_resume import DistAMPResumeCheck
     from distamp.integrations.lightning_scheduler import SkipAwareScheduler
     from distamp.integrations.lightning_trainer import DistAMPTrainerPrecision
 
@@ -63,6 +67,7 @@ __all__ = [
     "DistAMPEnvironment",
     "DistAMPFSDPPrecision",
     "DistAMPPrecision",
+    "DistAMPResumeCheck",
     "DistAMPTrainerPrecision",
     "SkipAwareScheduler",
 ]
@@ -73,6 +78,7 @@ _TRAINER_NAMES = {
     "DistAMPTrainerPrecision": "distamp.integrations.lightning_trainer",
     "DistAMPFSDPPrecision": "distamp.integrations.lightning_fsdp",
     "SkipAwareScheduler": "distamp.integrations.lightning_scheduler",
+    "DistAMPResumeCheck": "distamp.integrations.lightning_resume",
 }
 
 
@@ -106,7 +112,8 @@ class DistAMPPrecision(MixedPrecision):
             default, so a gradient changed on one rank after the all-reduce is still agreed on.
 
     Raises:
-        ValueError: a precision other than fp16/bf16 (fp8 included), or a scaler with bf16.
+        ValueError: a precision other than fp16/bf16 (fp8 included), a scaler with bf16, or a
+            policy for another precision (:mod:`~distamp.precision.requirements`).
     """
 
     adaptive: AdaptiveRun | None = None
@@ -132,6 +139,8 @@ class DistAMPPrecision(MixedPrecision):
                 f"DistAMPPrecision(precision={precision!r}): fp8 converts the model's Linear "
                 "layers, which this plugin does not do; train fp8 with distamp.DistAMP"
             )
+        given = f"DistAMPPrecision(precision={precision!r})"
+        check_policy_precision(policy, parsed, given=given)  # before a scaler is chosen for it
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if scaler is None and parsed.needs_scaler:
             scaler = DistributedGradScaler(device=device)
@@ -262,6 +271,10 @@ class DistAMPEnvironment(ClusterEnvironment):
     Lightning has one environment class per launcher, each with its own reading of the
     variables; this one delegates to :func:`distamp.detect_environment`, so a job gets the
     same ranks (and the same node-rank rules, e.g. for Open MPI) in distamp and in Lightning.
+    Passed in ``plugins=`` (also for one process), it spares the job Lightning's own detection,
+    whose MPI environment imports ``mpi4py.MPI``: where mpi4py is installed but no MPI library
+    is, that raises ``RuntimeError: cannot load MPI library`` while the Trainer or Fabric is
+    being built (Lightning catches only ``ImportError``). distamp's detection loads no MPI.
 
     Args:
         env: the variables to read (default: ``os.environ`` at construction).

@@ -63,6 +63,7 @@ from distamp.precision.adaptive_run import (  # noqa: E402
 )
 from distamp.precision.policy import AutocastPolicy, parse_precision  # noqa: E402
 from distamp.precision.policy import Precision as ParsedPrecision  # noqa: E402
+from distamp.precision.requirements import check_policy_precision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
 __all__ = [
@@ -424,12 +425,7 @@ def check_plugin_args(
         scaler = DistributedGradScaler(device=device)
     elif scaler is None and getattr(policy, "adaptive", None) is not None:
         scaler = DistributedGradScaler(device=device, check_only=True)  # drives the rules
-    policy_precision = getattr(policy, "precision", None)
-    if isinstance(policy_precision, ParsedPrecision) and policy_precision != parsed:
-        raise ValueError(
-            f"{owner}(precision={precision!r}, policy={policy!r}): the policy is for "
-            f"{policy_precision.name}, the plugin for {parsed.name}; make them agree"
-        )
+    check_policy_precision(policy, parsed, given=f"{owner}(precision={precision!r})")
     if unscale not in ("auto", "before_hooks", "at_clip"):
         raise ValueError(f"{owner}(unscale={unscale!r}): use 'auto', 'before_hooks' or 'at_clip'")
     if not isinstance(gate_schedulers, bool):

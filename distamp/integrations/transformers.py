@@ -62,6 +62,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from distamp.integrations.accelerate import DistAMPAccelerator  # noqa: E402
 from distamp.observe.diagnostics import OverflowReport  # noqa: E402
 from distamp.precision.adaptive_run import change_metrics  # noqa: E402
+from distamp.precision.policy import parse_precision  # noqa: E402
+from distamp.precision.requirements import check_policy_precision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
 __all__ = ["SUPPORTED", "TRANSFORMERS_VERSION", "DistAMPTrainer", "with_distamp"]
@@ -79,7 +81,8 @@ class DistAMPTrainerMixin:
         scaler: the :class:`~distamp.DistributedGradScaler` to use; ``None``: one for fp16, a
             check-only one for bf16.
         policy: an :class:`~distamp.AutocastPolicy` (fp32 modules and ops inside autocast;
-            its adaptive rules and backward scales run as in :class:`~distamp.DistAMP`).
+            its adaptive rules and backward scales run as in :class:`~distamp.DistAMP`), for
+            the precision ``fp16=``/``bf16=`` give (another is refused when the Trainer is built).
         trust_ddp_sync: skip the skip-flag collective when DDP's all-reduce spans the job. Off by
             default: then one small collective a step also covers gradients changed on one rank
             after the all-reduce (in ``training_step``, say).
@@ -124,6 +127,9 @@ class DistAMPTrainerMixin:
         args = self._distamp_accelerator_args
         if args is None:
             raise AssertionError("Trainer.create_accelerator_and_postprocess built no arguments")
+        mode = args.get("mixed_precision") or "no"  # from TrainingArguments' fp16= / bf16=
+        given = f"TrainingArguments(...) (mixed_precision={mode!r}: fp16=/bf16=)"
+        check_policy_precision(self._distamp_options["policy"], parse_precision(mode), given=given)
         self.accelerator = DistAMPAccelerator(**args, **self._distamp_options)
         gather = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(gather).parameters:
@@ -162,12 +168,21 @@ class DistAMPTrainerMixin:
         super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kw: Any) -> Any:
-        """The Trainer's ``train``; the checkpoint resumed from is kept, so that the adaptive
-        run's state saved in it is replayed once the model is prepared."""
+        """The Trainer's ``train``; distamp's files of the checkpoint resumed from are checked
+        first, on every rank, before the Trainer loads the model or moves its step (a damaged
+        one is refused with nothing changed), and the checkpoint is kept, so that the adaptive
+        run's state saved in it is replayed once the model is prepared.
+
+        Raises:
+            ValueError: ``scaler.pt`` or ``distamp_adaptive.pt`` of the checkpoint is unreadable
+                or refused (names the file; raised on every rank).
+        """
         path = resume_from_checkpoint
         if path is True:
             path = get_last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
         self._distamp_resume = path if isinstance(path, str) else None
+        if self._distamp_resume is not None:  # before the Trainer loads the model or its step
+            self.accelerator.check_checkpoint(self._distamp_resume)
         return super().train(resume_from_checkpoint, *args, **kw)  # type: ignore[misc]
 
 

@@ -46,7 +46,9 @@ class WindowStats:
         last_loss: mean loss of the last step alone, over ranks and micro-batches.
         loss_scale: the scaler's current scale (1.0 without loss scaling).
         skipped_steps: steps skipped for non-finite gradients since the start.
-        tokens_per_s: tokens of all ranks per second of wall time in the window.
+        tokens_per_s: tokens of all ranks per second of wall time in the window; ``None``
+            until some rank counts tokens (``backward(tokens=...)``, ``fit(tokens_per_batch=N)``
+            or :meth:`Metrics.add_tokens`), where 0.0 would read as a stalled run.
         grad_norm: the window's last gradient norm before clipping, mean over ranks; ``None``
             when no step of the window clipped.
         stop: whether any rank asked to stop (see ``collect(stop=...)``).
@@ -63,7 +65,7 @@ class WindowStats:
     last_loss: float
     loss_scale: float
     skipped_steps: int
-    tokens_per_s: float
+    tokens_per_s: float | None
     grad_norm: float | None
     stop: bool
     overflow: str | None = None
@@ -149,6 +151,7 @@ class Metrics:
         self._steps_total = 0
         self._skips_base: int | None = None  # the scaler's skip counter at the window's start
         self._flags_fed = False  # whether steps came with their scaler (see _overflow_rate)
+        self._tokens_seen = False  # whether any rank counted tokens in a collected window
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -167,7 +170,7 @@ class Metrics:
 
     def record(self, loss: torch.Tensor, tokens: int = 0) -> None:
         """Add one micro-batch's (unscaled, undivided) loss and its token count. No host sync."""
-        value = loss.detach().to(torch.float32)
+        value = loss.detach().to(torch.float32).reshape(())  # a shape-[1] loss is one number
         self._loss += value
         self._step_loss += value
         self._micro += 1
@@ -249,6 +252,7 @@ class Metrics:
         host = torch.cat([packed, self._flagged.reshape(1)]).tolist()  # host sync: logging
         grad_bytes, grad_scale_bytes = self._window_bytes()
         loss_sum, micro_sum, token_sum, stops, last_sum, norm_sum, flagged = host
+        self._tokens_seen = self._tokens_seen or token_sum > 0  # summed: the same on every rank
         enabled = _enabled(scaler)
         # torch's GradScaler has no skip counter: it then counts as never skipping.
         skipped = int(getattr(scaler, "skipped_steps", 0)) if enabled else 0  # host sync
@@ -258,7 +262,7 @@ class Metrics:
             last_loss=last_sum / world,
             loss_scale=float(scaler.get_scale()) if enabled else 1.0,  # host sync: logging
             skipped_steps=skipped,
-            tokens_per_s=token_sum / elapsed,
+            tokens_per_s=token_sum / elapsed if self._tokens_seen else None,
             grad_norm=norm_sum / world if self._norm is not None else None,
             stop=stops > 0,
             overflow_rate=self._overflow_rate(skipped, round(flagged)),
@@ -311,7 +315,7 @@ class AMPMetrics(Metrics):
             ``loss_scale`` (1.0 without a scaler), ``skipped_steps`` (since the start),
             ``overflow_rate`` (skipped / steps in the window), ``grad_norm`` (last clipping norm
             in the window, mean over ranks; ``None`` without clipping), ``tokens_per_s`` (all
-            ranks) and ``steps`` (in the window).
+            ranks; ``None`` until :meth:`add_tokens` was called) and ``steps`` (in the window).
         """
         steps = self.window_steps  # before collect() opens the next window
         stats = self.collect(scaler=scaler)

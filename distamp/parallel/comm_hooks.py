@@ -62,6 +62,7 @@ __all__ = [
     "PowerSGDState",
     "Fp8CommState",
     "bf16_hook",
+    "check_comm_state",
     "comm_state_dict",
     "current_loss_scale",
     "fp8_hook",
@@ -365,10 +366,19 @@ def comm_state_dict(state: Any) -> dict[str, Any] | None:
     return None
 
 
+def check_comm_state(state: Any, saved: Any) -> None:
+    """Check that :func:`load_comm_state` would accept ``saved`` (``ValueError`` naming the
+    entry); changes nothing, so that a rank's bad file refuses the whole load on every rank."""
+    if isinstance(state, Fp8CommState) and state.error_feedback and saved is not None:
+        if not isinstance(saved, dict) or "fp8_comm" not in saved:
+            shown = sorted(map(str, saved)) if isinstance(saved, dict) else repr(saved)[:120]
+            raise ValueError(f"rank state: expected an 'fp8_comm' entry, got {shown}")
+        state.check_state_dict(saved["fp8_comm"])
+
+
 def load_comm_state(state: Any, saved: dict[str, Any] | None) -> None:
     """Restore :func:`comm_state_dict`'s output into ``state`` (nothing when either is
     missing: a run that switches the hook on starts with empty residuals)."""
+    check_comm_state(state, saved)
     if isinstance(state, Fp8CommState) and state.error_feedback and saved is not None:
-        if "fp8_comm" not in saved:
-            raise ValueError(f"rank state: expected 'fp8_comm', got {sorted(saved)}")
         state.load_state_dict(saved["fp8_comm"])

@@ -36,6 +36,7 @@ __all__ = [
     "AdaptiveRun",
     "Change",
     "change_metrics",
+    "check_plugin_state",
     "load_plugin_state",
     "plugin_state",
     "refuse_under_pipeline",
@@ -375,6 +376,23 @@ def plugin_state(scaler: Any, run: AdaptiveRun | None) -> dict[str, Any]:
     if run is not None:
         state[STATE_KEY] = run.state_dict()
     return state
+
+
+def check_plugin_state(state: Any, scaler: Any, run: AdaptiveRun | None) -> None:
+    """Check what :func:`load_plugin_state` would load, changing nothing (``ValueError`` naming
+    the part), so a checkpoint can be refused before a framework restores the model. A run not
+    built yet (Lightning restores a DDP model before its precision plug-in sees it) gets its
+    part checked for structure; the full check follows at :func:`load_plugin_state`."""
+    if not isinstance(state, dict):
+        raise ValueError(f"a plug-in state must be a dict, got {type(state).__name__}")
+    state = dict(state)
+    saved = state.pop(STATE_KEY, None)
+    if saved is not None and run is not None:
+        run.check_state_dict(saved)
+    elif saved is not None and (not isinstance(saved, dict) or "monitor" not in saved):
+        raise ValueError(f"{STATE_KEY!r} must be a dict with a 'monitor' entry, got {saved!r:.120}")
+    if isinstance(scaler, DistributedGradScaler) and scaler.is_enabled():
+        scaler.check_state_dict(state)
 
 
 def load_plugin_state(state: dict[str, Any], scaler: Any, run: AdaptiveRun | None) -> None:

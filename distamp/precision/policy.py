@@ -30,6 +30,7 @@ from distamp.precision.adaptive import AdaptivePrecision, AdaptiveRules
 from distamp.precision.backward_scales import BackwardScaleRules, BackwardScales
 from distamp.precision.casts import to_fp32
 from distamp.precision.fp8_select import Float8Settings
+from distamp.precision.op_names import fp32_op_names
 from distamp.precision.patterns import as_patterns, check_module_patterns, module_specs
 from distamp.precision.settings import reduce_dtype_of
 
@@ -255,13 +256,18 @@ class AutocastPolicy:
         with policy.autocast("cpu"):              # autocast + fp32 ops
             loss = loss_fn(model(x), y)
 
+    With ``"fp8"``, the Linear layers outside the fp32 modules that pass the fp8 rules run in
+    float8 and everything else as under ``"bf16"`` (see :mod:`distamp.precision.fp8`); the fp32
+    modules are never converted.
+
     Args:
         precision: the low-precision compute dtype (any :func:`parse_precision` spelling).
         fp32_modules: a sequence of module classes or name patterns (see :data:`ModuleSpec`;
             one string is refused) that run with autocast off. Default: the normalization
             layers. Each pattern must match a module when applied (:meth:`check_patterns`).
-        fp32_ops: op names run in fp32 under autocast, a sequence of strings. Default:
-            :data:`DEFAULT_FP32_OPS` (softmax, normalizations, losses, fp32 reductions).
+        fp32_ops: op names run in fp32 under autocast, a sequence of names as torch's functions
+            carry them (``"softmax"``; a name that is none is refused, with the closest ones:
+            :mod:`~distamp.precision.op_names`). Default: :data:`DEFAULT_FP32_OPS`.
         cast_inputs: a ``bool``: cast low-precision floating inputs of fp32 modules and ops to
             fp32. With ``False`` the regions only turn autocast off, so they compute in their
             inputs' dtype (for modules that manage their own casting).
@@ -284,12 +290,8 @@ class AutocastPolicy:
             gradients get their own power-of-two scale on top of the loss scale (see
             :mod:`distamp.precision.backward_scales`; driven by :class:`~distamp.DistAMP`).
 
-        With ``"fp8"``, the Linear layers outside the fp32 modules that pass the fp8 rules run
-        in float8 and everything else as under ``"bf16"`` (see :mod:`distamp.precision.fp8`);
-        the fp32 modules are never converted.
-
     Raises:
-        ValueError: a bad precision, or an fp8 option with another precision.
+        ValueError: a bad precision, an fp8 option with another precision, or an unknown op.
         ArgumentTypeError: (a ``TypeError`` and a ``ValueError``) a value of the wrong kind:
             one string where a sequence is expected, a non-bool flag, an entry of
             ``fp32_modules`` that is neither a module class nor a string.
@@ -339,8 +341,7 @@ class AutocastPolicy:
                     f"{self.precision.name!r}; pass them with AutocastPolicy('fp8', ...)"
                 )
         self.fp32_modules: tuple[ModuleSpec, ...] = module_specs("fp32_modules", fp32_modules)
-        ops = as_patterns("fp32_ops", fp32_ops, "softmax", optional=False, empty=True)
-        self.fp32_ops = frozenset(ops or ())
+        self.fp32_ops = fp32_op_names("fp32_ops", fp32_ops)
         self.cast_inputs = as_bool("cast_inputs", cast_inputs)
         self.reduce_dtype = reduce_dtype_of("reduce_dtype", reduce_dtype)
         self._handles: dict[int, list[RemovableHandle]] = {}
