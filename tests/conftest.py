@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
 _HYPOTHESIS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
-settings.register_profile("ci", derandomize=True, max_examples=150, database=None, **_HYPOTHESIS)
+settings.register_profile("ci", derandomize=True, max_examples=100, database=None, **_HYPOTHESIS)
 settings.register_profile("campaign", max_examples=2000, database=None, **_HYPOTHESIS)
 settings.load_profile(os.environ.get("DISTAMP_HYPOTHESIS_PROFILE", "ci"))
 

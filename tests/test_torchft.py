@@ -340,9 +340,10 @@ def test_engine_restarted_replica_heals_and_matches_the_survivor(replicas: _Repl
     a, b = _load(out0), _load(out1 := replicas.tmp / "r1b.json")
     survivor, healed = _by_step(a["log"]), b["log"]
     assert sorted(survivor) == list(range(steps))
-    # The restarted replica never ran steps 0-8: its first iteration healed (weights, optimizer
-    # and the scaler's state) from the survivor, then both committed the same steps alike.
-    assert all(e["committed"] for e in healed) and len(healed) < steps - 7, out1
+    # The restarted replica never ran steps 0-6 (its first quorum is the survivor's step 7, 8 or
+    # 9, by how fast it started): its first iteration healed (weights, optimizer and the
+    # scaler's state) from the survivor, then both committed the same steps alike.
+    assert all(e["committed"] for e in healed) and len(healed) <= steps - 7, out1
     assert healed[0]["skipped_steps"] == 1  # the survivor's skip at step 4, received by healing
     tail = [survivor[k] for k in range(steps - len(healed), steps)]
     for e, s in zip(healed, tail, strict=True):

@@ -25,6 +25,19 @@ from distamp.cluster.main_address import free_port
 __all__ = ["RankPool", "run_ranks"]
 
 
+def _rank_environment(rank: int, world_size: int, port: int, threads: int) -> None:
+    """What a launcher would set for this rank (rendezvous on this host), and its threads."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(threads)
+
+
 def _worker(
     fn: Callable[..., Any],
     rank: int,
@@ -35,15 +48,7 @@ def _worker(
     results: Any,
     threads: int,
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
-    torch.set_num_threads(threads)
+    _rank_environment(rank, world_size, port, threads)
     try:
         try:
             dist.init_process_group(
@@ -157,15 +162,7 @@ def _pool_worker(
     rank: int, world_size: int, port: int, timeout: float, tasks: Any, results: Any, threads: int
 ) -> None:
     """One rank of a :class:`RankPool`: join the group once, then run tasks until told to stop."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
-    torch.set_num_threads(threads)
+    _rank_environment(rank, world_size, port, threads)
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
     )
