@@ -18,6 +18,7 @@ Each name was checked on every torch release of that window.
 from __future__ import annotations
 
 import importlib
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -38,6 +39,8 @@ __all__ = [
     "foreach_norm",
     "fsdp1_replica_group",
     "group_by_device_and_dtype",
+    "in_recomputation",
+    "compiled_backward_without_autocast",
     "is_pipeline_stage",
     "missing_internals",
     "scaled_mm",
@@ -90,6 +93,28 @@ def group_by_device_and_dtype(
     input: the grouping torch's own foreach-based ``GradScaler`` uses (one C++ pass)."""
     grouped = torch._C._group_tensors_by_device_and_dtype([tensors], True)  # type: ignore[list-item]
     return {key: (lists[0], indices) for key, (lists, indices) in grouped.items()}  # type: ignore[misc]
+
+
+def in_recomputation() -> bool:
+    """Whether a module's forward runs again inside a backward pass: activation checkpointing
+    (reentrant, non-reentrant, selective) recomputing it. Monitors then skip their work, so that
+    a forward is counted once. torch says so only through the current graph task's id (-1
+    outside any backward). Under ``torch.compile`` a recomputation is inside the compiled
+    backward graph, where no Python hook runs: the check is never traced."""
+    if torch.compiler.is_compiling():
+        return False
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def compiled_backward_without_autocast() -> AbstractContextManager[Any]:
+    """While open, a graph ``torch.compile`` builds traces its backward with autocast off, as
+    eager autograd runs it (the training step leaves autocast before ``backward()``). torch's
+    default traces the backward under the forward's autocast, so an fp32 island's backward
+    matmuls would be cast to the low dtype (pytorch issues 153044, 179804): a promoted layer's
+    weight gradient overflows fp16 in the compiled program only. One config of AOTAutograd,
+    read when the graph is traced (checked on torch 2.11-2.13)."""
+    config = importlib.import_module("torch._functorch.config")
+    return config.patch(backward_pass_autocast="off")  # type: ignore[no-any-return]
 
 
 def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
@@ -203,6 +228,10 @@ def missing_internals() -> list[str]:
     inductor = importlib.import_module("torch._inductor")
     aoti = ("aoti_compile_and_package", "aoti_load_package")
     missing += [f"torch._inductor.{n}" for n in aoti if not hasattr(inductor, n)]
+    if not hasattr(importlib.import_module("torch._functorch.config"), "backward_pass_autocast"):
+        missing.append("torch._functorch.config.backward_pass_autocast")
+    if not hasattr(torch._C, "_current_graph_task_id"):
+        missing.append("torch._C._current_graph_task_id")
     if not hasattr(torch._C, "_group_tensors_by_device_and_dtype"):
         missing.append("torch._C._group_tensors_by_device_and_dtype")
     try:

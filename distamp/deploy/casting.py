@@ -29,14 +29,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from distamp.deploy.plan import PrecisionPlan
-from distamp.precision.casts import to_fp32
 from distamp.precision.fp8_parallel import is_float8_linear
+from distamp.precision.regions import Fp32Ops, strip_regions
 from distamp.torch_compat import clear_module_hooks
 
-__all__ = ["Fp32Ops", "cast_floating", "clean_copy", "low_precision_copy"]
+__all__ = ["cast_floating", "clean_copy", "low_precision_copy"]
 
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -55,29 +54,6 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-class Fp32Ops(TorchFunctionMode):
-    """The policy's fp32 ops in an exported model: their low-precision floating operands are
-    cast to fp32, unconditionally (training does it only while autocast is on; an exported
-    program always computes as under autocast). Entered inside the model's forward, so the
-    casts are traced into the graph."""
-
-    def __init__(self, names: frozenset[str]) -> None:
-        super().__init__()
-        self.names = names
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", None) in self.names:
-            args, kwargs = to_fp32(args), to_fp32(kwargs)
-        return func(*args, **kwargs)
-
-
 def _plain(tensor: torch.Tensor, where: str) -> torch.Tensor:
     """A detached copy of a plain tensor; sharded (DTensor) or wrapped (float8 all-gather)
     tensors are refused: their full value is not on this rank."""
@@ -93,9 +69,9 @@ def _plain(tensor: torch.Tensor, where: str) -> torch.Tensor:
 
 def clean_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` for export: parameters and buffers detached (no gradient), no hooks
-    (the live model's policy regions, monitor and tracer stay with it), the classes' own
-    forwards (a promotion's instance ``forward`` is dropped: the plan says what it did), eval
-    mode. ``model`` itself is not changed.
+    (the live model's monitor and tracer stay with it), the classes' own forwards (the
+    policy's and the promotions' are dropped: the plan says what they did), eval mode.
+    ``model`` itself is not changed.
 
     Raises:
         ValueError: a parameter is sharded or float8-wrapped (see the message for the fix).
@@ -113,9 +89,10 @@ def clean_copy(model: nn.Module) -> nn.Module:
             "export a model built afresh with the trained weights loaded "
             "(model.load_state_dict(...))"
         ) from exc
+    strip_regions(twin)  # the policy's and the promotions' forwards: the plan says what they did
     for module in twin.modules():
         clear_module_hooks(module)
-        module.__dict__.pop("forward", None)  # a promotion's instance forward
+        module.__dict__.pop("forward", None)  # an instance forward of another wrapper
     return twin.eval()
 
 
@@ -154,7 +131,8 @@ def _root_forward(
     def forward(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
         if fp32_ops:
-            with Fp32Ops(fp32_ops):
+            # Unconditional casts: an exported program has no autocast and computes as under it.
+            with Fp32Ops(fp32_ops, always=True):
                 out = inner(module, *args, **kwargs)
         else:
             out = inner(module, *args, **kwargs)

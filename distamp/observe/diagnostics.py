@@ -29,7 +29,7 @@ from torch import nn
 from distamp.cluster import is_distributed
 from distamp.observe.overflow_flags import OverflowRecorder
 from distamp.parallel.topology import local_grad
-from distamp.torch_compat import foreach_norm
+from distamp.torch_compat import foreach_norm, in_recomputation
 
 __all__ = [
     "NonFiniteTracer",
@@ -220,11 +220,16 @@ class NonFiniteTracer:
 
     def _hook(self, index: int) -> Any:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if in_recomputation():  # activation checkpointing: this forward was recorded
+                return
             for t in _flatten(output):
                 if t.is_floating_point() and t.numel():
                     self._record(index, torch.sum(t.detach(), dtype=torch.float32))
 
-        return hook
+        # Eager under torch.compile: the record grows a Python list per call, which traced
+        # would be a guard on its length (a recompilation per call); a graph break per module
+        # is the price of tracing a compiled model.
+        return torch.compiler.disable(hook)
 
     def _record(self, index: int, total: torch.Tensor) -> None:
         slot = len(self._order)

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from distamp.torch_compat import in_recomputation
+
 __all__ = ["E4M3_FLUSH", "FORMAT_MAX", "NumericMonitor", "NumericStats"]
 
 FORMAT_MAX: dict[str, float] = {
@@ -174,7 +176,20 @@ class NumericMonitor:
         }
         self._step_amax: torch.Tensor | None = None  # [M] this step's max |output|
         self._window_amax: torch.Tensor | None = None  # [M] since the last report
-        self._order: list[int] = []  # module indices in forward completion order
+        if self.modules:
+            self._step_amax = torch.zeros(len(self.modules), device=self._device())
+            self._window_amax = torch.zeros_like(self._step_amax)
+        # Each module's slot as a 1-element index tensor, not a Python number: under
+        # torch.compile a number read in the hook is a guard, and every block of a model would
+        # compile a graph of its own; a tensor is an input, so the blocks share one.
+        self._slots = [torch.tensor([i], device=self._device()) for i in range(len(self.modules))]
+        # Forward completion order, as a stamp per module from one clock (never seen: last, in
+        # model order): set on first sight by an eager forward, by every call of a compiled one
+        # (a tensor op, where a Python record would be a guard; the earliest stamp stays).
+        never = torch.iinfo(torch.int64).max
+        self._stamp = torch.full((len(self.modules),), never, dtype=torch.int64)
+        self._stamp = self._stamp.to(self._device())
+        self._clock = torch.zeros(1, dtype=torch.int64, device=self._device())
         self._seen: set[int] = set()
         self._underflow: torch.Tensor | None = None  # [P] at a reporting step
         self._agreed_bad: torch.Tensor | None = None  # [M] agreed non-finite flags
@@ -216,23 +231,32 @@ class NumericMonitor:
 
     def _pre_hook(self, slot: int) -> Any:
         def pre_hook(_module: nn.Module, args: Any) -> None:
-            if self.due:
+            if self.due and not in_recomputation():
                 self._flush_of(slot, args)
 
         return pre_hook
 
     def _hook(self, index: int) -> Any:
+        slot = self._slots[index]
+
         def hook(_module: nn.Module, args: Any, output: Any) -> None:
+            if in_recomputation():  # activation checkpointing: this forward was counted
+                return
+            if torch.compiler.is_compiling():
+                stamp = torch.minimum(self._stamp.index_select(0, slot), self._clock)
+                self._stamp.index_copy_(0, slot, stamp)
+                self._clock.add_(1)
+            elif index not in self._seen:
+                self._seen.add(index)
+                self._stamp.index_copy_(0, slot, self._clock)
+                self._clock.add_(1)
+            step_amax = self._step_amax
+            assert step_amax is not None  # allocated with the modules
             for t in _floats(output):
-                amax = t.detach().abs().amax().float()
-                if self._step_amax is None:
-                    self._step_amax = torch.zeros(len(self.modules), device=amax.device)
-                    self._window_amax = torch.zeros_like(self._step_amax)
-                if index not in self._seen:
-                    self._seen.add(index)
-                    self._order.append(index)
+                amax = t.detach().abs().amax().float().reshape(1).to(step_amax.device)
                 # maximum() propagates NaN, so a NaN output stays non-finite
-                self._step_amax[index] = torch.maximum(self._step_amax[index], amax)
+                merged = torch.maximum(step_amax.index_select(0, slot), amax)
+                step_amax.index_copy_(0, slot, merged)
 
         return hook
 
@@ -307,8 +331,7 @@ class NumericMonitor:
     def _first_bad(self) -> torch.Tensor:
         """On device: the index of the first agreed non-finite module, in completion order."""
         assert self._agreed_bad is not None
-        order = self._order + [i for i in range(len(self.modules)) if i not in self._order]
-        perm = torch.tensor(order, device=self._agreed_bad.device)
+        perm = torch.argsort(self._stamp, stable=True).to(self._agreed_bad.device)
         bad = self._agreed_bad[perm]
         first = torch.where(bad.any(), perm[bad.to(torch.int8).argmax()], -1)
         if self.blamed_upstream is not None:

@@ -62,6 +62,7 @@ from distamp.observe.numerics import FORMAT_MAX, NumericStats
 from distamp.precision.patterns import check_module_patterns
 from distamp.precision.settings import EXPONENT_LIMIT, Fields
 from distamp.precision.state_checks import check_backward_scale_state
+from distamp.torch_compat import in_recomputation
 
 __all__ = ["BackwardScaleChange", "BackwardScaleRules", "BackwardScales", "select_blocks"]
 
@@ -270,17 +271,22 @@ class BackwardScales:
             leave = lambda t: _Leave.apply(t, factor)  # noqa: E731
             return _map_grad_tensors(args, leave), _map_grad_tensors(kwargs, leave)
 
-        return pre
+        # Eager under torch.compile: the hooks sit at a block's boundary, so the block itself
+        # stays one graph, shared by every block (the exponents and the index are Python
+        # numbers: traced, each would be a guard, a graph per block and one per change).
+        return torch.compiler.disable(pre)
 
     def _post(self, i: int) -> Any:
         """A tensor hook on each output (not a function wrapping it: the caller may modify the
         output in place): the entering gradient recorded and multiplied by ``2**k``."""
 
         def post(_m: nn.Module, _args: Any, output: Any) -> None:
+            # The forward's order, also under reentrant checkpointing (a forward without grad,
+            # recomputed with it in backward order): never from a recomputation.
+            if i not in self._forward_order and not in_recomputation():
+                self._forward_order.append(i)
             if not torch.is_grad_enabled():
                 return
-            if i not in self._forward_order:
-                self._forward_order.append(i)
             factor = 2.0 ** self.exponents[i]
 
             def enter(grad: torch.Tensor) -> torch.Tensor | None:
@@ -290,7 +296,7 @@ class BackwardScales:
             for t in _grad_tensors(output):
                 t.register_hook(enter)
 
-        return post
+        return torch.compiler.disable(post)  # eager: see _pre
 
     def record_entry(self, index: int, grad: torch.Tensor, factor: float) -> None:
         """Backward: block ``index``'s entering gradient, its amax times ``factor`` in fp32

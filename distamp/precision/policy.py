@@ -15,24 +15,23 @@ numerics on CPU and GPU.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils.hooks import RemovableHandle
 
 from distamp.arguments import as_bool, integer_or_none
 from distamp.precision.adaptive import AdaptivePrecision, AdaptiveRules
 from distamp.precision.backward_scales import BackwardScaleRules, BackwardScales
-from distamp.precision.casts import to_fp32
 from distamp.precision.fp8_select import Float8Settings
 from distamp.precision.op_names import fp32_op_names
 from distamp.precision.patterns import as_patterns, check_module_patterns, module_specs
+from distamp.precision.regions import Fp32Ops, can_carry_region, region_of, release_region
 from distamp.precision.settings import reduce_dtype_of
+from distamp.torch_compat import compiled_backward_without_autocast
 
 __all__ = [
     "AutocastPolicy",
@@ -191,57 +190,6 @@ ModuleSpec = type[nn.Module] | str
 """A module class (matched with ``isinstance``) or a pattern (``fnmatch``, matched against the
 qualified name, e.g. ``"blocks.*.ln1"`` or ``"lm_head"``, and against the class name)."""
 
-_PROBE_DEVICES = ("cpu", "cuda")
-
-
-def _autocast_devices(values: Iterable[Any]) -> list[str]:
-    """The device types whose autocast is enabled right now (inputs' devices first)."""
-    kinds = {v.device.type for v in values if isinstance(v, torch.Tensor)}
-    kinds.update(_PROBE_DEVICES)
-    return [k for k in sorted(kinds) if torch.amp.is_autocast_available(k)
-            and torch.is_autocast_enabled(k)]  # fmt: skip
-
-
-@contextmanager
-def _fp32_region(devices: list[str]) -> Iterator[None]:
-    with ExitStack() as stack:
-        for kind in devices:
-            stack.enter_context(torch.autocast(kind, enabled=False))
-        yield
-
-
-class _Fp32Ops(TorchFunctionMode):
-    """Runs the named ops with autocast off and low-precision inputs cast to fp32.
-
-    A ``TorchFunctionMode`` sees ``torch.X``, ``F.X`` and ``Tensor.X`` calls before autocast's
-    dispatch does, which is the only public place to override autocast's per-op choice. It is
-    active only inside :meth:`AutocastPolicy.autocast` (the forward), and passes every call
-    through untouched where autocast is off (fp32 modules, ``custom_fwd(cast_inputs=...)``).
-    """
-
-    def __init__(self, names: frozenset[str], cast_inputs: bool) -> None:
-        super().__init__()
-        self.names = names
-        self.cast_inputs = cast_inputs
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", None) not in self.names:
-            return func(*args, **kwargs)
-        devices = _autocast_devices(args)
-        if not devices:
-            return func(*args, **kwargs)
-        if self.cast_inputs:
-            args, kwargs = to_fp32(args), to_fp32(kwargs)
-        with _fp32_region(devices):
-            return func(*args, **kwargs)
-
 
 class AutocastPolicy:
     """Declarative precision: which modules and ops stay in fp32 under mixed precision.
@@ -344,7 +292,10 @@ class AutocastPolicy:
         self.fp32_ops = fp32_op_names("fp32_ops", fp32_ops)
         self.cast_inputs = as_bool("cast_inputs", cast_inputs)
         self.reduce_dtype = reduce_dtype_of("reduce_dtype", reduce_dtype)
-        self._handles: dict[int, list[RemovableHandle]] = {}
+        # The fp32-op mode, entered by policy.autocast() and by each module's forward when
+        # nothing above it has (a forward recomputed by activation checkpointing).
+        self._ops = Fp32Ops(self.fp32_ops, cast_inputs=self.cast_inputs)
+        self._applied: dict[int, nn.Module] = {}
 
     def __repr__(self) -> str:
         mods = ", ".join(s if isinstance(s, str) else s.__name__ for s in self.fp32_modules)
@@ -388,11 +339,15 @@ class AutocastPolicy:
         return found
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Make the fp32 modules of ``model`` run with autocast off (inputs cast to fp32 when
-        ``cast_inputs``), through forward hooks; idempotent. No host sync.
+        """Make the policy part of every module's own forward (:mod:`distamp.precision.regions`):
+        the fp32 modules run with autocast off (inputs cast to fp32 when ``cast_inputs``), and
+        each module's forward enters the fp32-op mode where nothing above it has, so that a
+        forward recomputed by activation checkpointing, outside :meth:`autocast`, computes
+        exactly as the first one. Idempotent. No host sync.
 
-        The hooks act only while autocast is on, so the model still trains unchanged in fp32.
-        Apply before wrapping for FSDP: the hooks stay on the modules ``fully_shard`` converts.
+        Everything acts only while autocast is on, so the model still trains unchanged in fp32.
+        Apply before or after wrapping for FSDP or checkpointing: the forwards travel with the
+        modules ``fully_shard`` converts and the ones a checkpoint wrapper calls.
 
         Returns:
             ``model`` itself.
@@ -401,9 +356,15 @@ class AutocastPolicy:
             ValueError: a pattern matching nothing in ``model`` (:meth:`check_patterns`).
         """
         self.check_patterns(model)
-        for _, module in self.fp32_modules_of(model):
-            if id(module) not in self._handles:
-                self._handles[id(module)] = _fp32_hooks(module, self.cast_inputs)
+        fp32 = {id(module) for _, module in self.fp32_modules_of(model)}
+        for module in model.modules():
+            if not can_carry_region(module):  # a compiled wrapper: the module inside carries it
+                continue
+            region = region_of(module)
+            region.ops = self._ops
+            if id(module) in fp32:
+                region.fp32, region.cast_inputs = True, self.cast_inputs
+            self._applied[id(module)] = module
         return model
 
     def check_patterns(self, model: nn.Module) -> None:
@@ -421,11 +382,12 @@ class AutocastPolicy:
         )
 
     def remove(self) -> None:
-        """Remove every hook :meth:`apply` registered."""
-        for handles in self._handles.values():
-            for h in handles:
-                h.remove()
-        self._handles.clear()
+        """Take the policy out of every module :meth:`apply` reached (promotions stay)."""
+        for module in self._applied.values():
+            region = region_of(module)
+            region.ops, region.fp32 = None, False
+            release_region(module)
+        self._applied.clear()
 
     # ------------------------------------------------------------------ ops
     @contextmanager
@@ -437,7 +399,8 @@ class AutocastPolicy:
             return
         with (
             torch.autocast(device_type, dtype=self.compute_dtype),
-            _Fp32Ops(self.fp32_ops, self.cast_inputs),
+            self._ops,
+            compiled_backward_without_autocast(),  # islands stay fp32 in a compiled backward
         ):
             yield
 
@@ -469,31 +432,3 @@ class AutocastPolicy:
             # Buffers (BatchNorm's running stats) stay fp32: they accumulate over steps.
             buffer_dtype=torch.float32,
         )
-
-
-def _fp32_hooks(module: nn.Module, cast_inputs: bool) -> list[RemovableHandle]:
-    """Pre/post forward hooks that turn autocast off for ``module``'s forward.
-
-    The post hook is registered with ``always_call=True`` so that a forward that raises still
-    leaves the autocast state as it found it. A stack per module keeps re-entrant calls right.
-    """
-    stack: list[ExitStack] = []
-
-    def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        devices = _autocast_devices(list(args) + list(kwargs.values()))
-        ctx = ExitStack()
-        if devices:
-            ctx.enter_context(_fp32_region(devices))
-        stack.append(ctx)
-        if devices and cast_inputs:
-            return to_fp32(args), to_fp32(kwargs)
-        return None
-
-    def post(_m: nn.Module, _args: Any, _out: Any) -> None:
-        if stack:
-            stack.pop().close()
-
-    return [
-        module.register_forward_pre_hook(pre, with_kwargs=True),
-        module.register_forward_hook(post, always_call=True),
-    ]

@@ -3,82 +3,39 @@
 Adaptive precision (:mod:`distamp.precision.adaptive`) decides *which* module changes format;
 this module holds *how*: an fp16/bf16 module made an fp32 island (:class:`Island`: autocast off
 inside it, every low-precision operand cast to fp32) and a torchao float8 layer made a bf16
-linear (:class:`Bf16Linear`). Both are instance ``forward`` attributes, not new modules, so the
-parameters, their optimizer state and every hook (FSDP2's among them) stay, and ``remove()``
-hands the class's forward back.
+linear (:class:`Bf16Linear`). Both are decisions held by the module's own instance ``forward``
+(:mod:`distamp.precision.regions`), not new modules, so the parameters, their optimizer state and
+every hook (FSDP2's among them) stay, a recomputed forward computes as the first one, and
+``remove()`` hands the class's forward back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from distamp.precision.casts import to_fp32
+from distamp.precision.regions import region_of, release_region
 
-__all__ = ["Bf16Linear", "Island", "Upcast", "autocast_on", "is_float8"]
-
-# Read once, outside any compiled frame: torch 2.11's dynamo cannot trace the availability check
-# (a builtin), and breaks the promoted forward's graph on it.
-_AUTOCAST_KINDS = tuple(k for k in ("cpu", "cuda") if torch.amp.is_autocast_available(k))
-
-
-def autocast_on() -> list[str]:
-    """The device types whose autocast is on here (a plain list: no generator to trace)."""
-    return [kind for kind in _AUTOCAST_KINDS if torch.is_autocast_enabled(kind)]
-
-
-class Upcast(TorchFunctionMode):
-    """Inside a promoted module: every op's low-precision floating arguments cast to fp32.
-
-    Casting the module's inputs is not enough where its parameters themselves arrive in the
-    compute dtype (FSDP2 gathers them so): ``F.linear(fp32, fp16)`` refuses mixed dtypes once
-    autocast is off. The cast is differentiable, so gradients still reach the parameters."""
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        return func(*to_fp32(args), **to_fp32(kwargs or {}))
+__all__ = ["Bf16Linear", "Island", "is_float8"]
 
 
 class Island:
-    """The promotion of one module: an instance ``forward`` that runs the class's with autocast
-    off and every low-precision operand cast to fp32. A ``with`` block inside one call (not a
-    pre/post hook pair holding a context open between them) is what ``torch.compile`` can trace;
-    the module's own hooks (FSDP2's unshard among them) still run around it. :meth:`remove`
-    hands the class's forward back."""
+    """The promotion of one module: its forward (:class:`~distamp.precision.regions.RegionForward`)
+    runs with autocast off and every low-precision operand cast to fp32. A flag on the module's
+    own forward, not a pre/post hook pair holding a context open between them: what
+    ``torch.compile`` traces (one guard, one recompilation), and what a forward recomputed by
+    activation checkpointing carries along. The module's own hooks (FSDP2's unshard among them)
+    still run around it. :meth:`remove` takes the promotion back."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        inner = type(module).forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            kinds = autocast_on()
-            if not kinds:
-                return inner(module, *args, **kwargs)
-            args, kwargs = to_fp32(args), to_fp32(kwargs)
-            # Plain nested ``with`` blocks (no ExitStack): what torch.compile traces whole.
-            if len(kinds) == 2:
-                with (
-                    torch.autocast("cpu", enabled=False),
-                    torch.autocast("cuda", enabled=False),
-                    Upcast(),
-                ):
-                    return inner(module, *args, **kwargs)
-            with torch.autocast(kinds[0], enabled=False), Upcast():
-                return inner(module, *args, **kwargs)
-
-        setattr(module, "forward", forward)  # noqa: B010 (an instance attribute, on purpose)
+        region_of(module).promoted = True
 
     def remove(self) -> None:
-        self.module.__dict__.pop("forward", None)
+        region_of(self.module).promoted = False
+        release_region(self.module)
 
 
 def is_float8(t: Any) -> bool:
@@ -108,7 +65,7 @@ class Bf16Linear:
 
         self._hook = module.register_forward_pre_hook(keep, prepend=True)
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def bf16_forward(x: torch.Tensor) -> torch.Tensor:
             raw, self._raw = self._raw, None
             if is_float8(x) and raw is not None:
                 x = _as_received(raw, x)
@@ -120,11 +77,12 @@ class Bf16Linear:
             )
             return _PlainGrad.apply(out)  # type: ignore[no-any-return]
 
-        setattr(module, "forward", forward)  # noqa: B010 (an instance attribute, on purpose)
+        region_of(module).replacement = bf16_forward
 
     def remove(self) -> None:
         self._hook.remove()
-        self.module.__dict__.pop("forward", None)
+        region_of(self.module).replacement = None
+        release_region(self.module)
 
 
 def _as_received(raw: torch.Tensor, received: Any) -> torch.Tensor:

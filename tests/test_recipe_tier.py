@@ -1,0 +1,161 @@
+"""The recipe tier: every precision policy holds wherever the forward runs.
+
+A policy (fp32 ops and modules, adaptive promotions, backward scales, fp8) trained together
+with activation checkpointing (full, reentrant, selective, ``checkpoint_sequential``),
+activation offloading and ``torch.compile`` per block must give the run without them, bitwise:
+parameters, skips, loss scales and every adaptive decision, with an overflow injected as one
+non-finite gradient element during backward. torch's own autocast loop is bitwise under each of
+these; a policy that lived only in the context around the user's forward was not (a recomputed
+forward raised ``CheckpointError`` or computed other gradients).
+
+Harness: ``tests/recipe_scenarios.py``. Each run is a few steps of the main job's GPT (small
+size in one process; medium under DDP and FSDP2) with one intra-op thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+from functorch.compile import make_boxed_func
+from recipe_scenarios import AC_MODES, compile_blocks, gpt, run
+from torch._dynamo.backends.common import aot_autograd
+
+from distamp import AdaptiveRules, AutocastPolicy, BackwardScaleRules
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread: the runs compare bitwise and the machine has few cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _cell(precision: str) -> dict[str, Any]:
+    """A run of ``precision`` whose policy decides something while the blocks are
+    checkpointed: an adaptive promotion, a skipped step from one non-finite gradient element."""
+    if precision == "fp16":  # a forward overflow in blocks.1.fc until it is promoted to fp32
+        return {
+            "spike": 1e5,
+            "poison": (0, {4}, NAN),
+            "adaptive": AdaptiveRules(interval=2, skips=1, window=4, max_promoted_fraction=0.5),
+            "backward_scales": BackwardScaleRules(grow_above=0.0),
+        }
+    if precision == "bf16":  # the modules with the largest outputs promoted on headroom
+        rules = AdaptiveRules(
+            interval=2, headroom_limit=1e-39, demote_below=0.0, patience=1,
+            max_promoted_fraction=0.05,
+        )  # fmt: skip
+        return {"poison": (0, {3}, INF), "adaptive": rules}
+    rules = AdaptiveRules(  # fp8: layers whose input flushes in e4m3 fall back to bf16
+        interval=2, fp8_flush_limit=1e-6, fp8_demote_below=0.0, patience=1,
+        headroom_limit=1.0, max_promoted_fraction=0.3,
+    )  # fmt: skip
+    return {
+        "poison": (0, {4}, -INF),
+        "adaptive": rules,
+        "policy_kwargs": {"fp8_min_features": 64},
+    }
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp8"])
+def test_every_ac_mode_is_bitwise_the_run_without_it(precision: str) -> None:
+    cell = _cell(precision)
+    reference = run(precision=precision, ac="none", **cell)
+    assert not all(reference["stepped"]), "the injected element must skip a step"
+    assert reference["adaptive"], "the rules must decide something while checkpointed"
+    for ac in AC_MODES[1:]:
+        got = run(precision=precision, ac=ac, **cell)
+        assert got == reference, f"{precision} with AC {ac!r} differs from the run without AC"
+
+
+class _Graphs:
+    """An ``aot_eager``-like backend that keeps every forward and backward graph it compiles."""
+
+    def __init__(self) -> None:
+        self.forward: list[torch.fx.GraphModule] = []
+        self.backward: list[torch.fx.GraphModule] = []
+        self.backend = aot_autograd(fw_compiler=self._keep(self.forward),
+                                    bw_compiler=self._keep(self.backward))  # fmt: skip
+
+    @staticmethod
+    def _keep(into: list[torch.fx.GraphModule]) -> Any:
+        def compiler(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+            into.append(gm)
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+
+def _dtypes(graphs: list[torch.fx.GraphModule], op: str) -> set[torch.dtype]:
+    """The output dtypes of every ``op`` node (``aten.<op>``) in ``graphs``."""
+    found = set()
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and str(node.target).startswith(f"aten.{op}."):
+                val = node.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    found.add(val.dtype)
+                elif isinstance(val, (tuple, list)) and isinstance(val[0], torch.Tensor):
+                    found.add(val[0].dtype)
+    return found
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
+def test_compiled_blocks_keep_the_islands_in_forward_and_backward(ac: str) -> None:
+    """The policy's dtypes in the compiled program: softmax and layer norm in fp32 in the
+    forward and in the backward (which never inherits the forward's autocast), the matmuls in
+    bf16; and one compilation shared by every block, none per step."""
+    from recipe_scenarios import apply_ac
+
+    torch._dynamo.reset()
+    graphs = _Graphs()
+    model = gpt("small")
+    apply_ac(model, ac)
+    policy = AutocastPolicy("bf16")
+    policy.apply(model)
+    compile_blocks(model, graphs.backend)
+    x = torch.randint(0, 256, (2, 64))
+    for step in range(3):
+        with policy.autocast("cpu"):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        if step == 0:
+            compiled = (len(graphs.forward), len(graphs.backward))
+    assert compiled == (1, 1), f"one graph for all four blocks, got {compiled}"
+    assert (len(graphs.forward), len(graphs.backward)) == compiled, "recompiled at a later step"
+    assert _dtypes(graphs.forward, "_softmax") == {torch.float32}
+    assert _dtypes(graphs.forward, "native_layer_norm") == {torch.float32}
+    assert _dtypes(graphs.forward, "mm") | _dtypes(graphs.forward, "addmm") == {torch.bfloat16}
+    assert _dtypes(graphs.backward, "_softmax_backward_data") == {torch.float32}
+    assert _dtypes(graphs.backward, "native_layer_norm_backward") == {torch.float32}
+    assert _dtypes(graphs.backward, "mm") == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_compiled_recipe_is_bitwise_the_eager_run(precision: str) -> None:
+    """Per-block compile with and without AC, the policy deciding (a promotion, a skip): the
+    eager run without AC, bitwise, and at most one recompilation per promotion."""
+    cell = _cell(precision)
+    reference = run(precision=precision, ac="none", **cell)
+    promotions = len(reference["adaptive"])
+    assert promotions, "the rules must promote a module inside a compiled block"
+    for ac in ("none", "full", "selective"):
+        torch._dynamo.reset()
+        graphs = _Graphs()
+        got = run(precision=precision, ac=ac, compile_backend=graphs.backend, **cell)
+        assert got == reference, f"compiled {precision} with AC {ac!r} differs from eager"
+        # One graph for every block; the spiky block is of another class (its own graph);
+        # then one recompilation per promotion at most, none per step.
+        allowed = 1 + ("spike" in cell) + promotions
+        compiled = len(graphs.forward)
+        assert 1 <= compiled <= allowed, (
+            f"{compiled} compilations of the blocks for {promotions} promotions (AC {ac!r})"
+        )
