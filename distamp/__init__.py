@@ -26,6 +26,7 @@ from distamp.engine import DistAMP
 from distamp.engine.checkpoint import CheckpointError
 from distamp.observe.metrics import StepResult
 from distamp.observe.writers import ProgressPrinter, make_writer
+from distamp.parallel.recompute import apply_activation_checkpointing, compile_blocks
 from distamp.precision.adaptive import AdaptiveRules, PrecisionChange
 from distamp.precision.audit import audit
 from distamp.precision.backward_scales import BackwardScaleChange, BackwardScaleRules
@@ -40,6 +41,9 @@ __all__ = [
     "StepResult",
     "audit",
     "parse_precision",
+    # the memory recipe: activation checkpointing and torch.compile per block
+    "apply_activation_checkpointing",
+    "compile_blocks",
     # deployment: the trained precision in a torch.export program (distamp.deploy)
     "export",
     # adaptive precision: the rules of AutocastPolicy(adaptive=..., backward_scales=...) and
