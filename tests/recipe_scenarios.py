@@ -129,6 +129,7 @@ def compile_blocks(model: GPT, backend: Any = "aot_eager") -> None:
 
 def user_name(name: str) -> str:
     """A module or parameter name as the user wrote the model (wrappers' prefixes out)."""
+    name = name.removeprefix("module.")  # DDP's
     for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
@@ -177,6 +178,7 @@ def run(
     backward_scales: bool = False,
     steps: int = 6,
     poison: tuple[int, set[int], float] | None = None,
+    poison_after: tuple[int, set[int], float] | None = None,
     spike: float | None = None,
     rank: int = 0,
     world: int = 1,
@@ -187,6 +189,8 @@ def run(
     Args:
         poison: ``(rank, steps, value)``: on that rank, one element of ``blocks.1.fc.weight``'s
             gradient becomes ``value`` during backward at those steps.
+        poison_after: the same, written into the gradient after backward (after DDP's
+            all-reduce or FSDP's reduce-scatter), before the step.
         spike: ``blocks.1.fc`` multiplies its input by this inside (an fp16 forward overflow
             there until the adaptive rules promote it, while it is checkpointed).
     """
@@ -214,7 +218,13 @@ def run(
         with forward_context(ac):
             with amp.autocast():
                 loss = lm_loss(amp.model, data.batch(k))
-            result = amp.backward_and_step(loss)
+            amp.backward(loss)
+        if poison_after is not None and poison_after[0] == rank and k in poison_after[1]:
+            grad = amp.model.get_parameter(_param_name(amp.model, "blocks.1.fc.weight")).grad
+            assert grad is not None
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            local.view(-1)[0] = poison_after[2]
+        result = amp.step()
         stepped.append(bool(result.stepped))
         scales.append(float(result.loss_scale))
     adaptive_changes = [] if policy.adaptive is None else policy.adaptive.changes

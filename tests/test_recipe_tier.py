@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
+from _dist import run_ranks
 from functorch.compile import make_boxed_func
 from recipe_scenarios import AC_MODES, compile_blocks, gpt, run
 from torch._dynamo.backends.common import aot_autograd
@@ -159,3 +160,38 @@ def test_compiled_recipe_is_bitwise_the_eager_run(precision: str) -> None:
         assert 1 <= compiled <= allowed, (
             f"{compiled} compilations of the blocks for {promotions} promotions (AC {ac!r})"
         )
+
+
+def _strategy_runs(
+    rank: int, world: int, strategy: str, precision: str, backend: str | None
+) -> dict[str, Any]:
+    """On each rank: the medium GPT under ``strategy`` with each AC mode, one engine after the
+    other in this process; one element of one rank's gradient non-finite after the exchange."""
+    cell: dict[str, Any] = {"poison_after": (1, {1}, INF if precision == "fp16" else NAN)}
+    if strategy == "ddp":
+        cell["poison"] = (0, {2}, -INF)  # and one during backward, on the other rank
+    out = {}
+    for ac in ("none", "full", "selective"):
+        torch._dynamo.reset()
+        out[ac] = run(precision=precision, ac=ac, strategy=strategy, size="medium", steps=3,
+                      rank=rank, world=world, compile_backend=backend, **cell)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(
+    ("strategy", "precision", "backend"),
+    [("ddp", "fp16", None), ("fsdp2", "bf16", "aot_eager")],
+    ids=["ddp-fp16", "fsdp2-bf16-compiled"],
+)
+def test_medium_model_under_ddp_and_fsdp2(
+    strategy: str, precision: str, backend: str | None
+) -> None:
+    """The main job's medium GPT (many DDP buckets, 13 FSDP2 units) on 2 ranks: full and
+    selective AC give the run without AC bitwise, skips included, on every rank."""
+    results = run_ranks(_strategy_runs, 2, strategy, precision, backend, timeout=600)
+    for rank, runs in enumerate(results):
+        reference = runs["none"]
+        assert not all(reference["stepped"]), "the injected elements must skip steps"
+        for ac in ("full", "selective"):
+            assert runs[ac] == reference, f"rank {rank}: {strategy} with AC {ac!r} differs"
+    assert results[0] == results[1], "the ranks disagree"
