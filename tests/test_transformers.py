@@ -197,3 +197,79 @@ def test_unsupported_version_message() -> None:
     with pytest.raises(ImportError, match=r"transformers 5\.22\.0 is older.*\.\[transformers\]"):
         check_version("transformers", installed="5.22.0")
     assert check_version("transformers", installed=SUPPORTED.newest) == SUPPORTED.newest
+
+
+def _gpt2() -> Any:
+    """A tiny GPT-2: its eager attention softmax and its GELU's ``pow`` run under autocast,
+    where the policy makes them fp32 (Llama computes both in fp32 by itself)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    cfg._attn_implementation = "eager"
+    return GPT2LMHeadModel(cfg)
+
+
+def _checkpointing(rank: int, world: int, root: str) -> dict[str, Any]:
+    """``gradient_checkpointing=True`` (the Trainer's own switch, reentrant or not) with a bf16
+    policy: the run without it, bitwise, the policy's fp32 softmax in every forward."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import TrainingArguments
+
+    from distamp import AutocastPolicy
+    from distamp.integrations.transformers import DistAMPTrainer
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    out: dict[str, Any] = {}
+    for name, extra in [
+        ("plain", {}),
+        ("reentrant", {"gradient_checkpointing": True,
+                       "gradient_checkpointing_kwargs": {"use_reentrant": True}}),
+        ("non-reentrant", {"gradient_checkpointing": True,
+                           "gradient_checkpointing_kwargs": {"use_reentrant": False}}),
+    ]:  # fmt: skip
+        model = _gpt2()
+        softmax_dtypes: list[torch.dtype] = []
+        real_softmax = F.softmax
+
+        def spy(
+            *args: Any, seen: Any = softmax_dtypes, real: Any = real_softmax, **kwargs: Any
+        ) -> Any:
+            result = real(*args, **kwargs)  # what the layers' attention computes
+            seen.append(result.dtype)
+            return result
+
+        args = TrainingArguments(
+            output_dir=f"{root}/{name}", use_cpu=True, max_steps=4, per_device_train_batch_size=2,
+            learning_rate=1e-2, report_to="none", disable_tqdm=True, save_strategy="no",
+            logging_steps=1, dataloader_num_workers=0, seed=0, bf16=True, **extra,
+        )  # fmt: skip
+        trainer = DistAMPTrainer(
+            model=model, args=args, train_dataset=_Tokens(16), policy=AutocastPolicy("bf16")
+        )
+        F.softmax = spy  # type: ignore[assignment]
+        try:
+            trainer.train()
+        finally:
+            F.softmax = real_softmax  # type: ignore[assignment]
+        out[name] = {
+            "digest": _digest(trainer.model),
+            "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+            "softmax": sorted({str(d) for d in softmax_dtypes}),
+            "checkpointed": bool(model.transformer.gradient_checkpointing),
+        }
+    return out
+
+
+def test_gradient_checkpointing_keeps_the_policy(tmp_path: Path) -> None:
+    (runs,) = run_ranks(_checkpointing, 1, str(tmp_path), timeout=300)
+    assert not runs["plain"]["checkpointed"]
+    assert runs["plain"]["softmax"] == ["torch.float32"], runs["plain"]
+    assert len(runs["plain"]["losses"]) == 4
+    for name in ("reentrant", "non-reentrant"):
+        assert runs[name]["checkpointed"], f"{name}: the Trainer did not checkpoint"
+        assert runs[name]["softmax"] == ["torch.float32"], (name, runs[name])
+        assert runs[name]["digest"] == runs["plain"]["digest"], f"{name} differs from plain"
+        assert runs[name]["losses"] == runs["plain"]["losses"]
