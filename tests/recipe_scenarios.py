@@ -244,3 +244,55 @@ def _param_name(model: nn.Module, wanted: str) -> str:
         if user_name(name) == wanted:
             return name
     raise KeyError(wanted)
+
+
+def checkpoint_as_frameworks_do(model: nn.Module) -> None:
+    """What Lightning's ``activation_checkpointing_policy`` (FSDP, ModelParallel) and
+    Accelerate's FSDP plugin ``activation_checkpointing`` call: torch's
+    ``apply_activation_checkpointing`` with a class check (non-reentrant wrappers)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+
+
+def plugin_run(kind: str, checkpointed: bool, steps: int = 4) -> dict[str, Any]:
+    """The small eager-attention GPT through a framework plug-in with a bf16 policy, its blocks
+    checkpointed as the framework's own switch does or not; one process (world 1)."""
+    from distamp import AutocastPolicy
+
+    model = gpt("small")
+    if checkpointed:
+        checkpoint_as_frameworks_do(model)
+    data = batches("small", 0, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    policy = AutocastPolicy("bf16")
+    losses = []
+    if kind == "fabric":
+        from lightning.fabric import Fabric
+
+        from distamp.integrations.lightning import DistAMPPrecision
+
+        plugin = DistAMPPrecision("bf16-mixed", device="cpu", policy=policy)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        wrapped, opt = fabric.setup(model, opt)
+        for k in range(steps):
+            loss = lm_loss(wrapped, data.batch(k))
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+    else:
+        from distamp.integrations.accelerate import DistAMPAccelerator
+
+        acc = DistAMPAccelerator(mixed_precision="bf16", cpu=True, policy=policy)
+        wrapped, opt = acc.prepare(model, opt)
+        for k in range(steps):
+            loss = lm_loss(wrapped, data.batch(k))
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+    wrappers = sum("CheckpointWrapper" in type(m).__name__ for m in model.modules())
+    return {"digest": digest(model), "losses": losses, "wrappers": wrappers}

@@ -195,3 +195,19 @@ def test_policy_keeps_its_modules_in_fp32() -> None:
     (seen,) = run_ranks(_policy_dtypes, 1, timeout=60)
     # the policy's fp32 module (LayerNorm) inside Accelerate's fp16 autocast
     assert seen == {"0": "torch.float16", "1": "torch.float32", "2": "torch.float16"}
+
+
+def _accelerate_checkpointing(rank: int, world: int) -> dict[str, Any]:
+    from recipe_scenarios import plugin_run
+
+    return {ac: plugin_run("accelerate", ac) for ac in (False, True)}
+
+
+def test_policy_holds_under_activation_checkpointing() -> None:
+    """The blocks checkpointed as Accelerate's FSDP plugin (``activation_checkpointing=True``)
+    does (that plugin needs CUDA; the wrapping is torch's, the same here): bitwise the run
+    without it."""
+    (runs,) = run_ranks(_accelerate_checkpointing, 1, timeout=240)
+    assert runs[True]["wrappers"] == 4 and runs[False]["wrappers"] == 0
+    assert runs[True]["digest"] == runs[False]["digest"]
+    assert runs[True]["losses"] == runs[False]["losses"]

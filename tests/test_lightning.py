@@ -179,3 +179,19 @@ def _policy_dtypes(rank: int, world: int) -> dict[str, str]:
 def test_policy_keeps_its_modules_in_fp32() -> None:
     (seen,) = run_ranks(_policy_dtypes, 1, timeout=60)
     assert seen == {"0": "torch.float16", "1": "torch.float32", "2": "torch.float16"}
+
+
+def _fabric_checkpointing(rank: int, world: int) -> dict[str, Any]:
+    from recipe_scenarios import plugin_run
+
+    return {ac: plugin_run("fabric", ac) for ac in (False, True)}
+
+
+def test_fabric_policy_holds_under_activation_checkpointing() -> None:
+    """The blocks checkpointed as Lightning's ``activation_checkpointing_policy`` does (its FSDP
+    and ModelParallel strategies need CUDA; the wrapping is torch's, the same here): bitwise
+    the run without it."""
+    (runs,) = run_ranks(_fabric_checkpointing, 1, timeout=240)
+    assert runs[True]["wrappers"] == 4 and runs[False]["wrappers"] == 0
+    assert runs[True]["digest"] == runs[False]["digest"]
+    assert runs[True]["losses"] == runs[False]["losses"]
