@@ -20,12 +20,24 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
+import torch.nn.functional as F
 from _dist import run_ranks
 from functorch.compile import make_boxed_func
-from recipe_scenarios import AC_MODES, compile_blocks, gpt, run
+from recipe_scenarios import (
+    AC_MODES,
+    apply_ac,
+    batches,
+    compile_blocks,
+    gpt,
+    run,
+)
+from torch import nn
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.compiled_autograd import _enable as compiled_autograd_enabled
+from torch.utils.checkpoint import checkpoint
 
-from distamp import AdaptiveRules, AutocastPolicy, BackwardScaleRules
+from distamp import AdaptiveRules, AutocastPolicy, BackwardScaleRules, DistAMP
+from launch.model import lm_loss
 
 NAN, INF = float("nan"), float("inf")
 
@@ -114,8 +126,6 @@ def test_compiled_blocks_keep_the_islands_in_forward_and_backward(ac: str) -> No
     """The policy's dtypes in the compiled program: softmax and layer norm in fp32 in the
     forward and in the backward (which never inherits the forward's autocast), the matmuls in
     bf16; and one compilation shared by every block, none per step."""
-    from recipe_scenarios import apply_ac
-
     torch._dynamo.reset()
     graphs = _Graphs()
     model = gpt("small")
@@ -195,3 +205,58 @@ def test_medium_model_under_ddp_and_fsdp2(
         for ac in ("full", "selective"):
             assert runs[ac] == reference, f"rank {rank}: {strategy} with AC {ac!r} differs"
     assert results[0] == results[1], "the ranks disagree"
+
+
+@pytest.mark.parametrize("ac", [False, True])
+def test_compiled_autograd_keeps_the_islands(ac: bool) -> None:
+    """torch's compiled autograd (the backward traced at run time) computes the gradients of
+    the eager backward, bitwise, with the policy's islands (a LayerNorm module, a softmax)."""
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.proj = nn.LayerNorm(16), nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.softmax(self.proj(self.norm(x)), dim=-1) @ self.proj.weight
+
+    def grads(compiled_autograd: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        head, policy = Head(), AutocastPolicy("bf16")
+        policy.apply(head)
+        x = torch.randn(8, 16, requires_grad=True)
+        with policy.autocast("cpu"):
+            out = checkpoint(head, x, use_reentrant=False) if ac else head(x)
+        loss = out.float().square().sum()
+        if compiled_autograd:
+            with compiled_autograd_enabled(torch.compile(backend="aot_eager")):
+                loss.backward()
+        else:
+            loss.backward()
+        return [p.grad for p in head.parameters()] + [x.grad]
+
+    torch._dynamo.reset()
+    eager, compiled = grads(False), grads(True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+
+
+def test_a_model_trained_with_checkpointing_exports() -> None:
+    """Export after training with full AC: the checkpoint wrappers stay in the program's copy,
+    the policy's casts are explicit (an fp32 softmax meeting a bf16 matmul included), and the
+    numerical check against fp32 eager passes."""
+    model = gpt("small")
+    apply_ac(model, "full")
+    amp = DistAMP(precision="bf16", policy=AutocastPolicy("bf16"), strategy="none", device="cpu")
+    amp.setup(model, lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True))
+    data = batches("small", 0, 1)
+    for k in range(2):
+        with amp.autocast():
+            loss = lm_loss(amp.model, data.batch(k))
+        amp.backward_and_step(loss)
+    x = data.batch(5)[0][:1]
+    program = amp.export((x,))
+    with torch.no_grad(), amp.autocast():
+        trained = amp.model(x).float()
+    exported = program.module()(x)
+    assert exported.dtype == torch.float32
+    torch.testing.assert_close(exported, trained, atol=0.1, rtol=0.05)

@@ -32,7 +32,7 @@ from torch import nn
 
 from distamp.deploy.plan import PrecisionPlan
 from distamp.precision.fp8_parallel import is_float8_linear
-from distamp.precision.regions import Fp32Ops, strip_regions
+from distamp.precision.regions import AUTOCAST_LOW_OPS, Fp32Ops, strip_regions
 from distamp.torch_compat import clear_module_hooks
 
 __all__ = ["cast_floating", "clean_copy", "low_precision_copy"]
@@ -130,9 +130,10 @@ def _root_forward(
 ) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
-        if fp32_ops:
-            # Unconditional casts: an exported program has no autocast and computes as under it.
-            with Fp32Ops(fp32_ops, always=True):
+        if fp32_ops or dtype != torch.float32:
+            # Unconditional casts: an exported program has no autocast and computes as under
+            # it (fp32 ops up; a matmul's mixed operands, an fp32 op's output among them, down).
+            with Fp32Ops(fp32_ops, always=True, narrow=AUTOCAST_LOW_OPS):
                 out = inner(module, *args, **kwargs)
         else:
             out = inner(module, *args, **kwargs)

@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 from distamp.precision.casts import to_fp32
 
 __all__ = [
+    "AUTOCAST_LOW_OPS",
     "Fp32Ops",
     "Region",
     "autocast_on",
@@ -86,17 +87,27 @@ class Fp32Ops(TorchFunctionMode):
             autocast, and computes as under it); otherwise act only while autocast is on,
             turning it off around the op, so that an fp32 run passes through untouched.
 
+        narrow: with ``always``, op names (autocast's matmul family, :data:`AUTOCAST_LOW_OPS`)
+            whose floating operands of mixed dtypes are all cast to the narrowest of them, as
+            autocast casts them: an fp32 op's output meeting a bf16 weight in a matmul.
+
     ``depth`` counts how many times the mode is entered right now: a module's forward enters it
     only where nothing above has (:class:`Region`).
     """
 
     def __init__(
-        self, names: frozenset[str] | None, *, cast_inputs: bool = True, always: bool = False
+        self,
+        names: frozenset[str] | None,
+        *,
+        cast_inputs: bool = True,
+        always: bool = False,
+        narrow: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__()
         self.names = names
         self.cast_inputs = cast_inputs
         self.always = always
+        self.narrow = narrow
         self.depth = 0
 
     def __enter__(self) -> Fp32Ops:
@@ -116,7 +127,10 @@ class Fp32Ops(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if self.names is not None and getattr(func, "__name__", None) not in self.names:
+        name = getattr(func, "__name__", None)
+        if self.narrow and name in self.narrow:
+            return func(*_narrowest(args), **kwargs)
+        if self.names is not None and name not in self.names:
             return func(*args, **kwargs)
         if self.always:
             return func(*to_fp32(args), **to_fp32(kwargs))
@@ -126,6 +140,28 @@ class Fp32Ops(TorchFunctionMode):
         if self.cast_inputs:
             args, kwargs = to_fp32(args), to_fp32(kwargs)
         return _without_autocast(kinds, func, *args, **kwargs)
+
+
+AUTOCAST_LOW_OPS = frozenset(
+    {
+        "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm",
+        "linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+        "conv_transpose3d", "scaled_dot_product_attention", "prelu",
+    }
+)  # fmt: skip
+"""The ops autocast runs in the low dtype on CPU and CUDA (matmuls, convolutions, attention)."""
+
+
+def _narrowest(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` with every floating tensor cast to the narrowest floating dtype among them,
+    when they differ (what autocast does to a matmul's operands)."""
+    dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}
+    if len(dtypes) < 2:
+        return args
+    narrow = min(dtypes, key=lambda d: torch.finfo(d).bits)
+    return tuple(
+        a.to(narrow) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+    )
 
 
 _UPCAST = Fp32Ops(None, always=True)
