@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
@@ -41,3 +42,13 @@ def _no_leaks() -> Iterator[None]:
             os.environ[k] = v
     assert not leaked_pg, "test left a torch.distributed process group initialized"
     assert before == after, f"test leaked environment variables: {before} -> {after}"
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for the test (restored after): tiny matmuls run faster than when
+    contending for a shared machine's cores, and bitwise comparisons see one reduction order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

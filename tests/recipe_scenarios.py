@@ -277,22 +277,18 @@ def plugin_run(kind: str, checkpointed: bool, steps: int = 4) -> dict[str, Any]:
         plugin = DistAMPPrecision("bf16-mixed", device="cpu", policy=policy)
         fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
         wrapped, opt = fabric.setup(model, opt)
-        for k in range(steps):
-            loss = lm_loss(wrapped, data.batch(k))
-            fabric.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(loss))
+        backward = fabric.backward
     else:
         from distamp.integrations.accelerate import DistAMPAccelerator
 
         acc = DistAMPAccelerator(mixed_precision="bf16", cpu=True, policy=policy)
         wrapped, opt = acc.prepare(model, opt)
-        for k in range(steps):
-            loss = lm_loss(wrapped, data.batch(k))
-            acc.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(loss))
+        backward = acc.backward
+    for k in range(steps):
+        loss = lm_loss(wrapped, data.batch(k))
+        backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
     wrappers = sum("CheckpointWrapper" in type(m).__name__ for m in model.modules())
     return {"digest": digest(model), "losses": losses, "wrappers": wrappers}

@@ -19,7 +19,6 @@ import copy
 import functools
 import math
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -71,13 +70,7 @@ def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(16, 1, generator=g)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny matmuls: one thread is faster than contending for a shared machine's cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train(policy: AutocastPolicy, steps: int = 4) -> nn.Module:

@@ -14,7 +14,6 @@ size in one process; medium under DDP and FSDP2) with one intra-op thread.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -42,13 +41,7 @@ from launch.model import lm_loss
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: the runs compare bitwise and the machine has few cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cell(precision: str) -> dict[str, Any]:

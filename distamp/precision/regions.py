@@ -171,6 +171,19 @@ gathers them so): ``F.linear(fp32, fp16)`` refuses mixed dtypes once autocast is
 is differentiable, so gradients still reach the parameters."""
 
 
+class _ModuleAttribute:
+    """A :class:`Region` field read from and written to its module's ``distamp_<name>``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = f"distamp_{name}"
+
+    def __get__(self, region: Any, owner: type | None = None) -> Any:
+        return getattr(region.module, self.key)
+
+    def __set__(self, region: Any, value: Any) -> None:
+        setattr(region.module, self.key, value)
+
+
 class Region:
     """The precision decisions one module's forward carries, kept as plain attributes of the
     module (``distamp_*``: what ``torch.compile`` guards by value, so that every block of a
@@ -189,49 +202,14 @@ class Region:
             called in place of the class's; it comes back when the region goes.
     """
 
+    ops = _ModuleAttribute()
+    fp32 = _ModuleAttribute()
+    cast_inputs = _ModuleAttribute()
+    promoted = _ModuleAttribute()
+    replacement = _ModuleAttribute()
+
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self._state: Any = module  # the attributes are set by region_of: read them untyped
-
-    @property
-    def ops(self) -> Fp32Ops | None:
-        return self._state.distamp_ops  # type: ignore[no-any-return]
-
-    @ops.setter
-    def ops(self, value: Fp32Ops | None) -> None:
-        self._state.distamp_ops = value
-
-    @property
-    def fp32(self) -> bool:
-        return bool(self._state.distamp_fp32)
-
-    @fp32.setter
-    def fp32(self, value: bool) -> None:
-        self._state.distamp_fp32 = value
-
-    @property
-    def cast_inputs(self) -> bool:
-        return bool(self._state.distamp_cast_inputs)
-
-    @cast_inputs.setter
-    def cast_inputs(self, value: bool) -> None:
-        self._state.distamp_cast_inputs = value
-
-    @property
-    def promoted(self) -> bool:
-        return bool(self._state.distamp_promoted)
-
-    @promoted.setter
-    def promoted(self, value: bool) -> None:
-        self._state.distamp_promoted = value
-
-    @property
-    def replacement(self) -> Callable[..., Any] | None:
-        return self._state.distamp_replacement  # type: ignore[no-any-return]
-
-    @replacement.setter
-    def replacement(self, value: Callable[..., Any] | None) -> None:
-        self._state.distamp_replacement = value
 
     @property
     def idle(self) -> bool:
