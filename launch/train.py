@@ -42,6 +42,8 @@ from distamp import (
     CheckpointError,
     DistAMP,
     ProgressPrinter,
+    apply_activation_checkpointing,
+    compile_blocks,
     detect_environment,
     init_distributed,
     parse_precision,
@@ -51,11 +53,16 @@ from distamp.cli import int_arg, real_arg
 from distamp.deploy import InputSpec, ModelSpec, record_model, save
 from distamp.engine.config import AMPConfig
 from distamp.observe.metrics import WindowStats
+from distamp.parallel.recompute import AC_MODES
 from distamp.parallel.strategies import COMM_HOOKS, STRATEGIES
 from distamp.precision.fp8_select import FP8_RECIPES
 from launch.model import DATA_FILE, GPT, SIZES, GPTConfig, ShardedText, lm_loss, load_text
 
 QUIET_RANK_WAIT_S = 20.0  # the longest a rank waits for local rank 0 to report a usage error
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+"""``--compile-backend``: inductor is what a GPU run uses; aot_eager traces the same graphs
+(forward and backward, the recomputation of a checkpointed block included) without generating
+kernels, so it compiles in seconds on a CPU where inductor takes a minute or more."""
 
 
 def _precision(text: str) -> str:
@@ -81,6 +88,8 @@ SUMMARY_FIELDS: dict[str, str] = {
     "precision": "the precision trained in",
     "fp8_layers": "Linear layers converted to float8 (fp8 only)",
     "strategy": "the data-parallel wrapper chosen (ddp, fsdp, ...; none for one process)",
+    "activation_checkpointing": "activation checkpointing of each block (none, full, selective)",
+    "compile": "the torch.compile backend of each block (null: eager, no --compile)",
     "launcher": "the launcher family detected (torchrun, mpirun, srun, single)",
     "resumed_from": "the step the run resumed from (null: a fresh run)",
     "stopped_by_signal": "true if SIGUSR1/SIGTERM/SIGINT stopped it early (after saving)",
@@ -136,6 +145,28 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="gradient communication (ddp; fp8 and fp8-ef also fsdp2): compressed or counted",
     )
+    add(
+        "--activation-checkpointing",
+        choices=AC_MODES,
+        default="none",
+        help="recompute each block's activations in backward (distamp.apply_activation_"
+        "checkpointing): full saves a block's input only, selective also every other matmul's "
+        "output; the precision policy holds either way, so the losses are those of none",
+    )
+    add(
+        "--compile",
+        action="store_true",
+        help="torch.compile each block (distamp.compile_blocks), after activation checkpointing "
+        "and before the engine wraps the model",
+    )
+    add(
+        "--compile-backend",
+        choices=COMPILE_BACKENDS,
+        default=None,
+        help="the backend of --compile: inductor (the default; generated kernels, the GPU "
+        "choice) or aot_eager (the same graphs run by eager kernels: compiles in seconds on a "
+        "CPU)",
+    )
     add("--grad-accum", type=int_arg(1), default=1, help="micro-batches per step")
     add("--max-grad-norm", type=real_arg(0.0), default=1.0, help="clip norm; 0 disables")
     add("--seed", type=int_arg(0, 2**32 - 1), default=0)
@@ -181,6 +212,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             p.error(f"launcher environment: {exc}")
         _check_comm_hook(p, args, world)
+        if args.compile_backend is not None and not args.compile:
+            p.error(f"argument --compile-backend: {args.compile_backend} is the backend of "
+                    "--compile; pass --compile too")  # fmt: skip
+        if args.compile and args.compile_backend is None:
+            args.compile_backend = "inductor"
         if args.export is not None and args.strategy in ("fsdp", "fsdp2", "hsdp"):
             p.error(
                 f"argument --export: --strategy {args.strategy} shards the model, so no rank "
@@ -345,8 +381,14 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
         trace_nonfinite=args.trace_nonfinite,
     )
+    # The memory recipe in torchtitan's order: checkpointing, then compile, both per block (the
+    # entries of model.blocks), before setup wraps or shards the model (FSDP2's units are the
+    # same blocks). Parameter names do not change, so checkpoints load either way.
+    model = apply_activation_checkpointing(GPT(cfg), args.activation_checkpointing)
+    if args.compile:
+        compile_blocks(model, backend=args.compile_backend)
     amp.setup(
-        GPT(cfg),
+        model,
         lambda params: torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1),
         lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps)),
     )
@@ -415,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
             "precision": str(amp.precision),
             "fp8_layers": len(amp.fp8.converted) if amp.fp8 is not None else 0,
             "strategy": amp.strategy,
+            "activation_checkpointing": args.activation_checkpointing,
+            "compile": args.compile_backend if args.compile else None,
             "launcher": env.launcher,
             "resumed_from": start_step if resumed else None,
             "stopped_by_signal": bool(stats and stats.stop),

@@ -234,3 +234,48 @@ def test_resume_with_another_size_is_a_usage_error(tmp_path: Path) -> None:
     assert "error: argument --resume:" in done.stderr and "--size small" in done.stderr
     assert "does not fit this model" in done.stderr and "Traceback" not in done.stderr
     assert not done.stdout.strip()
+
+
+def test_activation_checkpointing_and_compile_train_to_the_same_loss() -> None:
+    """The memory recipe on the main job (FSDP2, 2 ranks): every block checkpointed and
+    compiled (aot_eager: the same graphs as inductor, compiled in seconds on a CPU) trains to
+    the eager run's loss, bitwise: a recomputed forward computes exactly as the first one, and
+    the precision policy lives in each block's own forward."""
+    common = ["--strategy", "fsdp2", "--steps", "2", "--log-interval", "1"]
+    eager = _torchrun(*common)
+    recipe = _torchrun(*common, "--activation-checkpointing", "full", "--compile",
+                       "--compile-backend", "aot_eager")  # fmt: skip
+    assert eager["activation_checkpointing"] == "none" and eager["compile"] is None
+    assert recipe["activation_checkpointing"] == "full" and recipe["compile"] == "aot_eager"
+    assert recipe["strategy"] == "fsdp2" and recipe["steps"] == 2
+    for key in ("final_loss", "grad_norm", "loss_scale", "skipped_steps", "grad_bytes"):
+        assert recipe[key] == eager[key], (key, recipe, eager)  # bitwise: exact equality
+
+
+def test_recipe_flags_parse_and_refuse_unknown_values() -> None:
+    import contextlib
+    import io
+
+    from launch.train import parse
+
+    plain = parse([])
+    assert plain.activation_checkpointing == "none" and not plain.compile
+    assert plain.compile_backend is None  # no --compile: eager
+    for mode in ("none", "full", "selective"):
+        assert parse(["--activation-checkpointing", mode]).activation_checkpointing == mode
+    assert parse(["--compile"]).compile_backend == "inductor"  # the default backend
+    assert parse(["--compile", "--compile-backend", "aot_eager"]).compile_backend == "aot_eager"
+    refused = [  # (argv, the argument named, what the message says, the values it lists)
+        (["--activation-checkpointing", "partial"], "--activation-checkpointing",
+         "invalid choice: 'partial'", ("none", "full", "selective")),
+        (["--compile", "--compile-backend", "eager"], "--compile-backend",
+         "invalid choice: 'eager'", ("inductor", "aot_eager")),
+        (["--compile-backend", "aot_eager"], "--compile-backend", "pass --compile too", ()),
+    ]  # fmt: skip
+    for argv, flag, why, allowed in refused:
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exc:
+            parse(argv)
+        message = stderr.getvalue().splitlines()[-1]
+        assert exc.value.code == 2 and f"error: argument {flag}: " in message, message
+        assert why in message and all(value in message for value in allowed), message
