@@ -254,3 +254,57 @@ def test_same_norm_and_decision_on_every_rank(strategy: str, kind: str) -> None:
 
 def test_hsdp_counts_replicated_shards_once() -> None:
     _check(run_ranks(_clip_on_ranks, 4, "hsdp", "foreach", timeout=240), "hsdp")
+
+
+def _clip_run(check_only: bool, max_norm: float, *, host: bool, monkeypatch: Any) -> tuple:
+    """Six clipped steps with the CPU route on or off; parameters, norms, and the ops each clip
+    ran (names of the aten ops, through a dispatch mode)."""
+    from distamp.scaler import clipping
+    from distamp.torch_compat import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(clipping, "reads_on_host", (lambda: True) if host else (lambda: False))
+    model = _model()
+    opt = _opt("adamw", model.parameters())
+    scaler = DistributedGradScaler("cpu", init_scale=2.0**10, check_only=check_only)
+    x, y = torch.randn(16, 8, generator=torch.Generator().manual_seed(0)), torch.randn(16, 1)
+    norms, ops = [], []
+    for step in range(6):
+        opt.zero_grad()
+        loss = (model(x) - y).square().mean() * (1 + step)
+        scaler.scale(loss).backward()
+        if step == 3:
+            model[2].weight.grad[3, 5] = INF
+        with Ops() as seen:
+            norms.append(scaler.clip_grad_norm_(opt, max_norm))
+        ops.append(seen.names)
+        scaler.step(opt)
+        scaler.update()
+    return [p.detach().clone() for p in model.parameters()], torch.stack(norms), ops
+
+
+@pytest.mark.parametrize("check_only", [False, True])
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_cpu_route_is_bitwise_the_device_route(
+    check_only: bool, max_norm: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU a clip reads its numbers on the host (no dispatcher, no multiply by exactly
+    1): parameters, norms and the skipped step are bitwise those of the route a device takes.
+    A check-only scaler's step within ``max_norm`` makes no multiply pass at all."""
+    params, norms, ops = _clip_run(check_only, max_norm, host=True, monkeypatch=monkeypatch)
+    ref_params, ref_norms, _ = _clip_run(check_only, max_norm, host=False, monkeypatch=monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
+    assert torch.equal(norms, ref_norms) and not bool(norms[3].isfinite())
+    for step, names in enumerate(ops):
+        # check-only: the factor is 1 / divisor, exactly 1 within max_norm and on the skipped
+        # step (a non-finite norm leaves the gradients as they are)
+        unit = check_only and (max_norm > 1e3 or step == 3)
+        assert ("aten._foreach_mul_.Tensor" in names) != unit, (step, names)

@@ -242,6 +242,29 @@ def test_autocast_uses_the_compute_dtype_on_cpu() -> None:
         assert amp.scaler.is_enabled() and amp.scaler.check_only == (precision != "fp16")
 
 
+def test_step_releases_gradients_through_an_own_zero_grad() -> None:
+    """After step() every gradient is None: released directly for torch's own ``zero_grad``,
+    through the optimizer's method when it has one of its own (a wrapper that also starts the
+    next quorum, say), which is then called once a step."""
+    calls: list[bool] = []
+
+    class Own(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            calls.append(set_to_none)
+            super().zero_grad(set_to_none)
+
+    for cls in (torch.optim.SGD, Own):
+        amp = DistAMP(precision="bf16", strategy="none", max_grad_norm=1.0)
+        model, _ = amp.setup(_model(), lambda p, cls=cls: cls(p, lr=0.1))
+        for k in range(2):
+            with amp.autocast():
+                loss = lm_loss(model, _batch(0, k))
+            amp.backward_and_step(loss)
+            assert all(p.grad is None for p in model.parameters())
+        amp.close()
+    assert calls == [True, True]
+
+
 def test_call_order_errors() -> None:
     amp = DistAMP(precision="fp32", grad_accum_steps=2)
     with pytest.raises(RuntimeError, match="setup"):

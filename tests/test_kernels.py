@@ -648,3 +648,46 @@ def test_cpu_check_and_sumsq_stays_exact_when_squares_overflow() -> None:
     )
     assert float(found) == 1.0
     assert torch.equal(bad[0], torch.ones(8))  # a check never writes
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, a NaN equal to any NaN (the exact check may rewrite a 16-bit NaN's
+    payload, as torch's check-and-unscale op does on the reference route too)."""
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.view(bits)[~nan], b.view(bits)[~nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inv", [1.0, 2.0**-10, 0.3])
+@pytest.mark.parametrize("poison", [None, float("inf"), float("nan"), 1e30])
+def test_cpu_check_and_sum_is_the_reference_without_its_dispatcher(
+    dtype: torch.dtype, inv: float, poison: float | None
+) -> None:
+    """``check_sumsq_cpu_`` (the clip's CPU route) gives bitwise the torch backend's sum and
+    flag and leaves the gradients' values as they were; finite squares beyond fp32 (``1e30``)
+    take the exact check, which raises nothing."""
+    if dtype == torch.float16 and poison == 1e30:
+        pytest.skip("1e30 is not a finite fp16 value")
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=gen).to(dtype) for n in (3, 1000, 0, 257)]
+    if poison is not None:
+        grads[1][7] = poison
+    before = [g.clone() for g in grads]
+    inv_scale = torch.tensor(inv)
+    flag, ref_flag = torch.zeros(()), torch.zeros(())
+    got = kernels.check_sumsq_cpu_(grads, flag, inv_scale)
+    want = unscale_check_sumsq_(
+        [g.clone() for g in before],
+        ref_flag,
+        inv_scale,
+        write=False,
+        compute_sumsq=True,
+        sumsq_dtype=torch.float64,
+        backend="torch",
+        grouped=True,
+    )
+    assert want is not None and got.dtype == torch.float64 and _same(got, want)
+    nonfinite = poison is not None and poison != 1e30
+    assert flag.item() == ref_flag.item() == float(nonfinite)
+    assert all(_same(a, b) for a, b in zip(grads, before, strict=True))

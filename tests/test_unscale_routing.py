@@ -23,7 +23,7 @@ from test_diagnostics import INF, NAN, Net, _step
 from distamp import DistributedGradScaler
 from distamp.kernels import dispatch, reference, unscale_check_sumsq_
 from distamp.observe import overflow_flags
-from distamp.scaler import records
+from distamp.scaler import clipping, records
 from distamp.scaler.scale_state import ScaleState
 
 ROUTE = dispatch.auto_backend  # the table itself, whatever a test spies on
@@ -46,7 +46,9 @@ def test_auto_routing_table(device: str, flags: bool, sumsq: bool, kernel: str) 
 
 
 def _calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
-    """Record (flags, sumsq) of every automatic dispatch."""
+    """Record (flags, sumsq) of every automatic dispatch. A clip on the CPU reads its values on
+    the host and calls the torch backend's CPU check directly (``clipping.reads_on_host``); it is
+    turned off here, so that the passes go through the dispatcher as a device's do."""
     seen: list[tuple[bool, bool]] = []
 
     def spy(device: Any, *, flags: bool, sumsq: bool) -> str:
@@ -55,6 +57,7 @@ def _calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
 
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     monkeypatch.setattr(dispatch, "auto_backend", spy)
+    monkeypatch.setattr(clipping, "reads_on_host", lambda: False)
     return seen
 
 

@@ -29,7 +29,7 @@ from distamp.cluster import (
     named_collective,
     shutdown_distributed,
 )
-from distamp.engine.accounting import MicroBatchCycle, SkipReports
+from distamp.engine.accounting import MicroBatchCycle, SkipReports, release_grads
 from distamp.engine.checkpoint import apply_checkpoint, read_checkpoint, save_checkpoint
 from distamp.engine.config import (
     AMPConfig,
@@ -389,7 +389,7 @@ class DistAMP(RunLoop):
         if self.scheduler is not None and result.stepped:
             self.scheduler.step()
         # 6. next cycle: gradients released, metrics counted
-        opt.zero_grad(set_to_none=True)
+        release_grads(opt)
         if self.quorum is not None:  # torchft: the next forward asks for the next quorum
             self.quorum.end()
         self.metrics.end_step(norm, scaler)

@@ -25,6 +25,7 @@ By device (timings: torch 2.13 CPU, 2 cores, 10M fp32 elements in 200 tensors):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +34,7 @@ from distamp.kernels.cpu_sumsq import sumsq_fp32_chunked
 from distamp.torch_compat import amp_unscale_, foreach_mul_, foreach_norm
 
 __all__ = [
+    "check_sumsq_cpu_",
     "device_mismatch",
     "host_to_device",
     "reference_subset_",
@@ -181,7 +183,7 @@ def reference_subset_(
         The float64 0-dim sum of squares of the unscaled gradients when ``compute_sumsq``.
     """
     device = found_inf.device
-    total = torch.zeros((), dtype=torch.float64, device=device) if compute_sumsq else None
+    total: torch.Tensor | None = None  # the sum so far; None until a group added its part
     groups = (
         ({grads[0].dtype: (list(grads), list(slots))} if grads else {})
         if grouped
@@ -201,13 +203,13 @@ def reference_subset_(
             # not change the gradients multiplies by exactly 1 (bitwise the same values). On a
             # device, a check without the sum is the same one launch (torch's own scaler checks
             # fused optimizers' gradients so), where the norms would take eight.
-            if total is not None:
+            if compute_sumsq:
                 local = _fp32_sumsq(group)
-                total = total + local * inv_scale.to(torch.float64).reshape(()).square()
+                total = _add_unscaled(total, local, inv_scale, on_host=not write)
                 # A finite sum of squares proves every element finite, so a check-only call
                 # needs no second pass; only a non-finite sum (an inf/NaN, or squares beyond
                 # fp32) takes the exact check. Reading it is no sync: this is the CPU.
-                if not write and bool(torch.isfinite(local)):
+                if not write and math.isfinite(local.item()):
                     continue
             factor = inv_scale if write else torch.ones((), dtype=torch.float32, device=device)
             amp_unscale_(group, found_inf, factor)
@@ -220,9 +222,8 @@ def reference_subset_(
             per_tensor_flags.index_copy_(
                 0, index, torch.maximum(current, bad.to(per_tensor_flags.dtype))
             )
-        if total is not None and sumsq is not None:
-            unscale = inv_scale.to(torch.float64).reshape(())
-            total = total + sumsq * unscale.square()
+        if sumsq is not None:
+            total = _add_unscaled(total, sumsq, inv_scale, on_host=False)
         if write and amp_ok:
             amp_unscale_(group, found_inf, inv_scale)
         elif write:
@@ -231,7 +232,57 @@ def reference_subset_(
             # for 200M fp16 elements in 500 tensors on H100, ~9x one read-write pass. Rounding
             # inv_scale to the gradients' dtype is exact for power-of-two scales (GradScaler's).
             foreach_mul_(group, inv_scale.to(dtype).reshape(()))
+    if compute_sumsq and total is None:  # no non-empty gradient
+        total = torch.zeros((), dtype=torch.float64, device=device)
     return total
+
+
+def check_sumsq_cpu_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> torch.Tensor:
+    """Check CPU gradients of one floating dtype for inf/NaN and return the fp64 0-dim sum of
+    squares of ``grads * inv_scale``, leaving their values as they are.
+
+    Bitwise the sum and the flag of :func:`unscale_check_sumsq_torch_` with ``write=False,
+    compute_sumsq=True, grouped=True`` on the CPU, without the dispatcher's validation and
+    routing: a clip's norm on the CPU (:mod:`distamp.scaler.clipping`) costs its read pass and
+    a handful of small ops, as torch's ``clip_grad_norm_`` does. One read pass when the sum is
+    finite (it proves every element finite), an exact second one (torch's check, by a factor of
+    exactly 1) otherwise. ``found_inf`` (CPU, float32) is raised in place; values are read on
+    the host, which on the CPU is no sync.
+    """
+    if not grads or not _supported(_amp_support, "amp", found_inf.device, grads[0].dtype):
+        return unscale_check_sumsq_torch_(  # type: ignore[return-value]
+            grads,
+            found_inf,
+            inv_scale,
+            write=False,
+            compute_sumsq=True,
+            sumsq_dtype=torch.float64,
+            grouped=True,
+        )
+    local = _fp32_sumsq(grads)
+    # A read on the host (CPU: no sync). Non-finite: an inf/NaN, or squares beyond fp32 (the
+    # exact check tells which; it may rewrite a 16-bit NaN's payload, never a value).
+    if not math.isfinite(local.item()):
+        amp_unscale_(grads, found_inf, torch.ones((), dtype=torch.float32))
+    return _add_unscaled(None, local, inv_scale, on_host=True)
+
+
+def _add_unscaled(
+    total: torch.Tensor | None, sumsq: torch.Tensor, inv_scale: torch.Tensor, *, on_host: bool
+) -> torch.Tensor:
+    """``total + sumsq * inv_scale**2`` in fp64 (``sumsq`` alone when ``total`` is ``None``).
+
+    Bitwise what adding to a zero start gives (``0 + x`` is ``x`` for a sum of squares, NaN
+    included), with fewer ops: a call's first group starts the sum, and ``on_host`` (a CPU call
+    that reads values anyway, where a read is no sync) a factor of exactly 1, a check-only
+    scaler's, is not multiplied in. Five small ops fewer per clip: for a small model's few dozen
+    gradients such ops, not the read pass, make up most of a clip's cost on the CPU.
+    """
+    if not (on_host and inv_scale.item() == 1.0):  # CPU only: a read, no sync
+        sumsq = sumsq * inv_scale.to(torch.float64).reshape(()).square()
+    return sumsq if total is None else total + sumsq
 
 
 def unscale_check_sumsq_torch_(

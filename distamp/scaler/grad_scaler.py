@@ -27,12 +27,7 @@ from distamp.parallel.replicas import ReplicaCommit
 from distamp.scaler.clipping import check_clip_args, clip_step_grads_
 from distamp.scaler.config import check_device, check_new_scale, check_scaler_args
 from distamp.scaler.grad_groups import check_groups_
-from distamp.scaler.records import (
-    OptimizerStep,
-    ScalerStateError,
-    StepAgreement,
-    reciprocal,
-)
+from distamp.scaler.records import OptimizerStep, ScalerStateError, StepAgreement, reciprocal
 from distamp.scaler.reporting import ScalerReporting
 from distamp.scaler.scale_state import ScaleState, ScaleUnderflowError
 from distamp.scaler.scale_update import RuleCache, ScaleRule, update_scale_
@@ -378,6 +373,7 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
             scale=scale,
             unscale=self.unscale_,
             recorder=self._overflow,
+            host_reads=not self._sync_free,  # sync-free: not even a CPU value is read
         )
 
     # ------------------------------------------------------------------ step / update

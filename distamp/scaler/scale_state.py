@@ -75,7 +75,8 @@ class ScaleState:
             assert self.skipped is not None and self.streak is not None
             self.skipped.add_(found)
             torch.mul(self.streak + 1, found, out=self.streak)  # +1 on a skip, else 0
-        self.last_skipped = found
+        # As a bool once here, not at each read: the engine's step reads it three times.
+        self.last_skipped = found if found.dtype == torch.bool else found > 0
 
     def flag_underflow(self, underflow: torch.Tensor | bool) -> None:
         """Remember that a backoff arrived at the floor (raised by :meth:`raise_if_underflow`)."""
