@@ -38,9 +38,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distamp
+from distamp.agreement.traffic import wire_bytes
 from distamp.cluster.spawn import run_ranks
 from distamp.parallel import fp8_comm
-from distamp.parallel.traffic import wire_bytes
 from launch.model import DATA_FILE, GPT, SIZES, GPTConfig, ShardedText, lm_loss, load_text
 
 HOOKS = ("fp32", "bf16", "fp16", "fp8", "fp8-ef", "powersgd")

@@ -21,8 +21,8 @@ from _dist import run_ranks
 from torch import nn
 
 import distamp
+from distamp.agreement.traffic import wire_bytes
 from distamp.parallel.fp8_comm import Fp8CommState
-from distamp.parallel.traffic import wire_bytes
 
 D = 64
 

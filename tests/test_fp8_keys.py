@@ -12,7 +12,7 @@ from tests._dist import run_ranks
 def _agree(rank: int, world: int, held: list[list[int]], size: int | None) -> list[int]:
     import torch
 
-    from distamp.parallel.topology import agreement_group
+    from distamp.agreement.topology import agreement_group
     from distamp.precision.fp8_parallel import agree_keys
 
     return agree_keys(held[rank], agreement_group(None), torch.device("cpu"), size=size)

@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from distamp.agreement.replicas import is_ft_ddp, is_ft_manager
 from distamp.arguments import INT32_MAX, ArgumentTypeError, as_integer, as_real
 from distamp.cluster import agree_settings, is_distributed
 from distamp.parallel.ddp import check_sparse_gradients, ddp_options
-from distamp.parallel.replicas import is_ft_ddp, is_ft_manager
 from distamp.parallel.strategies import COMM_HOOKS, SHARDED, STRATEGIES
 from distamp.precision.describe import describe_policy
 from distamp.precision.policy import AutocastPolicy, Precision, PrecisionLike, parse_precision

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.agreement.replicas import QuorumSchedule, unwrap_ft_optimizer
+from distamp.agreement.traffic import grad_traffic
 from distamp.cluster import (
     init_distributed,
     is_distributed,
@@ -50,7 +52,6 @@ from distamp.observe.diagnostics import NonFiniteTracer
 from distamp.observe.metrics import Metrics, StepResult
 from distamp.observe.numerics import NumericStats
 from distamp.parallel.comm_hooks import comm_state_dict, load_comm_state
-from distamp.parallel.replicas import QuorumSchedule, unwrap_ft_optimizer, wrap_replicas
 from distamp.parallel.strategies import (
     SHARDED,
     apply_strategy,
@@ -59,8 +60,8 @@ from distamp.parallel.strategies import (
     rebuild_optimizer,
     register_comm_hook,
     resolve_strategy,
+    wrap_replicas,
 )
-from distamp.parallel.traffic import grad_traffic
 from distamp.precision.adaptive_run import AdaptiveRun, refuse_under_pipeline
 from distamp.precision.fp8 import Float8Training
 from distamp.precision.patterns import gather_modules, job_modules
@@ -116,7 +117,7 @@ class DistAMP(RunLoop):
         ft_manager: this replica group's ``torchft.Manager``: the model is wrapped in torchft's
             DDP across replicas (unless wrapped or sharded by you), the scaler agrees, votes and
             heals through it, and each step's quorum starts as its first forward enters
-            :meth:`autocast` (do not call ``start_quorum``; :mod:`distamp.parallel.replicas`).
+            :meth:`autocast` (do not call ``start_quorum``; :mod:`distamp.agreement.replicas`).
         ddp_kwargs: options for the ``DistributedDataParallel`` the engine builds (strategy
             "ddp", or "auto" on several ranks), e.g. ``{"find_unused_parameters": True}`` for a
             model whose forward skips parameters; the keys: ``distamp.parallel.ddp.DDP_KWARGS``.

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.agreement.topology import local_grad
 from distamp.cluster import is_distributed
 from distamp.observe.overflow_flags import OverflowRecorder
-from distamp.parallel.topology import local_grad
 from distamp.torch_compat import foreach_norm, in_recomputation
 
 __all__ = [

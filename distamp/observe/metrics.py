@@ -30,7 +30,7 @@ from distamp.cluster import is_distributed
 from distamp.observe.writers import ProgressPrinter  # re-exported: the name's old home
 
 if TYPE_CHECKING:
-    from distamp.parallel.traffic import Traffic
+    from distamp.agreement.traffic import Traffic
 
 __all__ = ["AMPMetrics", "Metrics", "ProgressPrinter", "StepResult", "WindowStats"]
 
@@ -56,7 +56,7 @@ class WindowStats:
             fills it in from ``scaler.overflow_report()``), else ``None``.
         overflow_rate: skipped steps / steps in the window (see :meth:`Metrics.collect`).
         grad_bytes: bytes this rank sent for gradients per step in the window (the payload:
-            :mod:`distamp.parallel.traffic`); ``None`` where the path is not counted.
+            :mod:`distamp.agreement.traffic`); ``None`` where the path is not counted.
         grad_scale_bytes: the scales sent alongside (8-bit hooks), per step; ``None`` likewise.
     """
 
@@ -135,7 +135,7 @@ class Metrics:
     Args:
         device: where the counters live (the device of the losses and of the scaler's flags).
         traffic: where this rank's gradient bytes are counted
-            (:func:`distamp.parallel.traffic.grad_traffic`); ``None``: not reported.
+            (:func:`distamp.agreement.traffic.grad_traffic`); ``None``: not reported.
     """
 
     def __init__(self, device: torch.device | str = "cpu", traffic: Traffic | None = None) -> None:

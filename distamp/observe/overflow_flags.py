@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from distamp.parallel.topology import local_grad
+from distamp.agreement.topology import local_grad
 
 __all__ = ["OverflowRecorder"]
 

@@ -52,9 +52,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 from torch.nn.parallel import DistributedDataParallel
 
+from distamp.agreement.scale_reads import current_loss_scale, last_step_skipped
 from distamp.parallel.fp8_comm import Fp8CommState, Fp8ReduceScatter, GroupState, fp8_hook
 from distamp.parallel.fp8_replicas import ReplicaFp8
-from distamp.parallel.scale_reads import current_loss_scale, last_step_skipped
 
 __all__ = [
     "COMM_HOOKS",

@@ -52,9 +52,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distamp.agreement.scale_reads import current_loss_scale, last_step_skipped
+from distamp.agreement.traffic import WireBytes
 from distamp.kernels import fp8_wire
-from distamp.parallel.scale_reads import current_loss_scale, last_step_skipped
-from distamp.parallel.traffic import WireBytes
 
 __all__ = [
     "FORMATS",

@@ -16,7 +16,7 @@ transport and who counts:
   collectives with zeros, as torchft's own all-reduce makes it do.
 - **Failures.** When a replica dies inside the exchange, the error is reported to the Manager
   (``report_error``): this replica's ``should_commit()`` is then false, the scaler's agreed
-  flag says skip (:class:`~distamp.parallel.replicas.ManagerGroup`), and the zeroed bucket is
+  flag says skip (:class:`~distamp.agreement.replicas.ManagerGroup`), and the zeroed bucket is
   never applied.
 - **Error feedback** stays per replica (each replica's own residuals, rescaled and reset with
   its scaler as on DDP); a replica that restarts starts with none (what heals is the weights,

@@ -2,7 +2,8 @@
 
 Everything here that depends on the wrapper type (DDP, FSDP1, FSDP2) lives in this module, so
 the engine never inspects a wrapper itself. The wrap functions are plain keyword-only functions
-(:func:`apply_ddp`, :func:`apply_fsdp1`, :func:`apply_fsdp2`); :func:`apply_strategy` picks one.
+(:func:`apply_ddp`, :func:`apply_fsdp1`, :func:`apply_fsdp2`); :func:`apply_strategy` picks one;
+:func:`wrap_replicas` wraps in torchft's DDP across replica groups (``ft_manager=``).
 Loss-scale-aware DDP communication hooks live in :mod:`distamp.parallel.comm_hooks`.
 """
 
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.agreement.replicas import check_torchft_version
+from distamp.agreement.topology import is_dtensor
 from distamp.cluster import is_distributed
 from distamp.parallel.comm_hooks import COMM_HOOKS, register_comm_hook
 from distamp.parallel.ddp import apply_ddp
@@ -28,7 +31,6 @@ from distamp.parallel.fsdp import (
     fsdp2_mixed_precision,
     hsdp_mesh,
 )
-from distamp.parallel.topology import is_dtensor
 from distamp.precision.policy import AutocastPolicy
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "rebuild_optimizer",
     "register_comm_hook",
     "resolve_strategy",
+    "wrap_replicas",
 ]
 
 STRATEGIES: tuple[str, ...] = ("auto", "none", "ddp", "fsdp", "fsdp2", "hsdp")
@@ -133,6 +136,21 @@ def apply_strategy(
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp2 = fsdp2_mixed_precision(fsdp_dtype) if fsdp_dtype is not None else None
     return apply_fsdp2(model, mesh=mesh, mp_policy=mp2, precision_policy=policy)
+
+
+def wrap_replicas(model: nn.Module, manager: Any, comm_hook: str | None = None) -> nn.Module:
+    """``model`` in torchft's ``DistributedDataParallel``: its gradients averaged across the
+    replicas of ``manager``'s quorum (the engine's wrapping for ``ft_manager=``); in 8-bit
+    floats with ``comm_hook="fp8"`` or ``"fp8-ef"`` (:mod:`distamp.parallel.fp8_replicas`).
+    torchft is imported here, when a model is wrapped, so ``import distamp`` works without it."""
+    check_torchft_version()
+    if comm_hook in ("fp8", "fp8-ef"):
+        from distamp.parallel.fp8_replicas import replica_fp8_ddp
+
+        return replica_fp8_ddp(manager, model, comm_hook)
+    from torchft import DistributedDataParallel
+
+    return DistributedDataParallel(manager, model)
 
 
 @contextmanager

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.agreement.reduction import FlagReducer
+from distamp.agreement.topology import agreement_group
 from distamp.cluster import is_distributed
-from distamp.parallel.reduction import FlagReducer
-from distamp.parallel.topology import agreement_group
 from distamp.precision.fp8_parallel import WeightScales, is_float8_linear
 from distamp.precision.fp8_select import (
     DEFAULT_MIN_FEATURES,

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distamp.parallel.reduction import ExternalGroup, FlagReducer
-from distamp.parallel.topology import agreement_group
+from distamp.agreement.reduction import ExternalGroup, FlagReducer
+from distamp.agreement.topology import agreement_group
 from distamp.precision.fp8_torchao import require_torchao
 from distamp.torch_compat import dtensor_local, foreach_norm
 

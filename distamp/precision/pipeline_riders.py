@@ -20,14 +20,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distamp.agreement.reduction import Rider
 from distamp.observe.numerics import NumericMonitor
-from distamp.parallel.reduction import Rider
 
 __all__ = ["StageSegments", "gather_stage_states"]
 
 
 class StageSegments:
-    """A :class:`~distamp.parallel.reduction.Rider` that puts ``inner``'s payload in this
+    """A :class:`~distamp.agreement.reduction.Rider` that puts ``inner``'s payload in this
     stage's segment of a job-wide vector (see the module doc).
 
     Args:

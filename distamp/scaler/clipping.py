@@ -10,7 +10,7 @@ multiply pass.
 
 Summing the squares across ranks must count every gradient element exactly once. A rank's local
 sum is therefore weighted by ``1 / copies`` per gradient, where ``copies`` is how many ranks of
-the reduction group hold the same elements (:meth:`distamp.parallel.topology.Topology.copies`: DDP
+the reduction group hold the same elements (:meth:`distamp.agreement.topology.Topology.copies`: DDP
 replicas, FSDP1 shards, DTensor placements on any mesh, pipeline stages). When no collective runs
 (one rank, or DDP has already made the gradients identical) the local sum is the global one and
 every weight is 1.
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
+from distamp.agreement.topology import grad_device, optimizer_params
 from distamp.arguments import as_real
 from distamp.kernels import check_sumsq_cpu_, get_default_backend, unscale_check_sumsq_
 from distamp.observe.diagnostics import OverflowRecorder
-from distamp.parallel.topology import grad_device, optimizer_params
 from distamp.scaler.grad_groups import FP16_GRADS, GradGroup
 from distamp.scaler.records import StepAgreement, reciprocal
 from distamp.torch_compat import OptState, foreach_mul_, foreach_norm, takes_grad_scale
@@ -109,7 +109,7 @@ def local_norm_term(
     device) is raised in place on a non-finite gradient. Other norms read gradients that are
     already unscaled (``inv_scale`` is then 1) and return the weighted sum of ``|g|^p``, or the
     max for ``inf``. With a ``recorder``, the same pass raises one flag per gradient for overflow
-    reports. ``copies`` (from :class:`distamp.parallel.topology.Topology`) says how many ranks of
+    reports. ``copies`` (from :class:`distamp.agreement.topology.Topology`) says how many ranks of
     the reduction group hold each parameter's elements; ``None`` when no collective follows
     (every weight 1). ``host``: :func:`reads_on_host`, when the caller has asked already; CPU
     gradients then take :func:`distamp.kernels.check_sumsq_cpu_` unless per-gradient flags are

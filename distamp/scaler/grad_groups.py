@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from distamp.agreement.topology import is_dtensor, local_grad
 from distamp.kernels import unscale_check_sumsq_
 from distamp.observe.diagnostics import OverflowRecorder
-from distamp.parallel.topology import is_dtensor, local_grad
 from distamp.torch_compat import group_by_device_and_dtype
 
 __all__ = ["GradGroup", "GradPlan", "GradPlans", "check_groups_"]

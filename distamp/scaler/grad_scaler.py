@@ -6,8 +6,8 @@ stages that never see each other's gradients, one rank can see an inf that anoth
 rank skips and backs off, the other steps, and the model diverges silently. This scaler keeps
 torch's state machine (READY -> UNSCALED -> STEPPED -> update) and changes one thing: before any
 decision is taken, every pending found_inf flag of the step is packed into one tensor and
-MAX-reduced over the whole job (:mod:`distamp.parallel.reduction`, over the ranks
-:mod:`distamp.parallel.topology` names). Everything after that (optimizer gating, scale update)
+MAX-reduced over the whole job (:mod:`distamp.agreement.reduction`, over the ranks
+:mod:`distamp.agreement.topology` names). Everything after that (optimizer gating, scale update)
 then runs on identical numbers on every rank.
 
 Beyond torch it adds hysteresis, min/max scale, one-pass clipping whose norm counts every element
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from distamp.agreement import reduction
+from distamp.agreement.replicas import ReplicaCommit
 from distamp.observe.diagnostics import NonFiniteTracer, OverflowRecorder
-from distamp.parallel import reduction
-from distamp.parallel.replicas import ReplicaCommit
 from distamp.scaler.clipping import check_clip_args, clip_step_grads_
 from distamp.scaler.config import check_device, check_new_scale, check_scaler_args
 from distamp.scaler.grad_groups import check_groups_
@@ -73,7 +73,7 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
             tensor, pipeline and expert parallelism alike). A ``ProcessGroup``, a ``DeviceMesh``
             or any object with ``rank()`` and ``size()`` narrows it: right only when those ranks
             train a model of their own. A ``torchft.Manager``: fault-tolerant replica groups
-            (:mod:`distamp.parallel.replicas`). Anything else: ``TypeError``.
+            (:mod:`distamp.agreement.replicas`). Anything else: ``TypeError``.
         sync_free: ``step()`` never waits for the device: the skip is decided on device, through
             the optimizer's ``found_inf`` argument (fused optimizers) or a masked update.
         check_only: for bf16 and fp32, which need no loss scaling: ``scale()`` returns the loss,

@@ -4,7 +4,7 @@ torch's GradScaler keeps a dict per optimizer whose keys appear along the way (`
 ``"found_inf_per_device"``); here each optimizer gets a typed :class:`OptimizerStep`, created on
 first use by :class:`StepRecords` and dropped at ``update()``. :func:`agree_pending` packs the
 local flags of every record still waiting into one tensor, reduces it in one collective
-(:mod:`distamp.parallel.reduction`) and hands every record the same agreed flag.
+(:mod:`distamp.agreement.reduction`) and hands every record the same agreed flag.
 
 :class:`StepAgreement` owns all of that bookkeeping for one scaler: the topology (who agrees,
 who holds which elements), the cached gradient plans, this iteration's records and the count of
@@ -22,10 +22,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from distamp.agreement import reduction
+from distamp.agreement.topology import Topology
 from distamp.cluster.agreement import agree_settings
 from distamp.observe.diagnostics import OverflowRecorder
-from distamp.parallel import reduction
-from distamp.parallel.topology import Topology
 from distamp.scaler.grad_groups import GradPlan, GradPlans, check_groups_
 from distamp.torch_compat import OptState
 
@@ -156,7 +156,7 @@ class HostFlag:
 class StepAgreement:
     """One scaler's per-step bookkeeping and its single agreement across ranks.
 
-    Owns the :class:`~distamp.parallel.topology.Topology` (the ranks that agree, the copies of
+    Owns the :class:`~distamp.agreement.topology.Topology` (the ranks that agree, the copies of
     each gradient element, what DDP already synchronised), the cached
     :class:`~distamp.scaler.grad_groups.GradPlan` of each optimizer, this iteration's
     :class:`StepRecords`, the device the flags are agreed on (``home``: the scale's device, set

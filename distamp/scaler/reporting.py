@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
+from distamp.agreement import reduction
 from distamp.observe.diagnostics import (
     NonFiniteTracer,
     OverflowRecorder,
     OverflowReport,
     build_report,
 )
-from distamp.parallel import reduction
 from distamp.scaler.config import validate_state_dict
 from distamp.scaler.records import StepAgreement, StepWatcher
 from distamp.scaler.scale_state import ScaleState

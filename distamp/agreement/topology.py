@@ -42,14 +42,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.agreement.reduction import FlagReducer, GroupSpec
+from distamp.agreement.replicas import ManagerGroup, is_ft_manager
 from distamp.arguments import integer_or_none
 from distamp.cluster import is_distributed
-from distamp.parallel.reduction import FlagReducer, GroupSpec
-from distamp.parallel.replicas import ManagerGroup, is_ft_manager
 from distamp.torch_compat import fsdp1_replica_group, is_pipeline_stage
 
 __all__ = [
     "Topology",
+    "agreement_group",
     "check_group_spec",
     "grad_device",
     "is_dtensor",
@@ -245,7 +246,7 @@ class Topology:
     def __init__(self, process_group: GroupSpec = None) -> None:
         check_group_spec(process_group)
         # A torchft Manager: the agreement spans this replica group's default group, then the
-        # quorum's replicas through the manager (distamp.parallel.replicas).
+        # quorum's replicas through the manager (distamp.agreement.replicas).
         self.ft_manager: Any = process_group if is_ft_manager(process_group) else None
         self.process_group = None if self.ft_manager is not None else process_group
         self._agreement: FlagReducer | None = None

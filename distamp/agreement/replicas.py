@@ -12,7 +12,7 @@ group cannot give:
 - **One agreed flag across the quorum.** The replicas share no default group: the flags travel
   through ``Manager.allreduce`` (MAX; a replica that is healing this step contributes zero and
   receives the quorum's answer). :class:`ManagerGroup` is that collective, one member of a
-  :class:`~distamp.parallel.reduction.FlagReducer` after the replica group's own default group.
+  :class:`~distamp.agreement.reduction.FlagReducer` after the replica group's own default group.
 - **A commit vote on every replica, whatever the decision.** ``should_commit()`` waits for every
   replica; a replica that skips without voting leaves the others waiting until the timeout.
   :class:`ReplicaCommit` votes exactly once per iteration, on every rank, and turns a step torchft
@@ -21,9 +21,9 @@ group cannot give:
   with the manager, so a restarted replica receives the scale, growth tracker, hysteresis and skip
   counters with the weights, and the gradients averaged across replicas share one scale.
 
-torchft is imported by whoever builds the ``Manager``; this module only recognises one, and
-imports torchft only to wrap a model for the engine (:func:`wrap_replicas`), so ``import distamp``
-works without it.
+torchft is imported by whoever builds the ``Manager``; this module only recognises one and never
+imports torchft, so ``import distamp`` works without it. Wrapping a model in torchft's DDP is the
+wrappers' job (:func:`distamp.parallel.strategies.wrap_replicas`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from distamp.parallel.reduction import ExternalGroup
+from distamp.agreement.reduction import ExternalGroup
 from distamp.torch_compat import OptState
 from distamp.versions import WINDOWS, check_version
 
@@ -49,7 +49,6 @@ __all__ = [
     "is_ft_ddp",
     "is_ft_manager",
     "unwrap_ft_optimizer",
-    "wrap_replicas",
 ]
 
 SUPPORTED_TORCHFT = WINDOWS["torchft"]  # the releases this module was verified with
@@ -70,22 +69,6 @@ def is_ft_ddp(obj: Any) -> bool:
     module = sys.modules.get("torchft.ddp")
     ddp_type = getattr(module, "DistributedDataParallel", None)
     return isinstance(ddp_type, type) and isinstance(obj, ddp_type)
-
-
-def wrap_replicas(
-    model: torch.nn.Module, manager: Any, comm_hook: str | None = None
-) -> torch.nn.Module:
-    """``model`` in torchft's ``DistributedDataParallel``: its gradients averaged across the
-    replicas of ``manager``'s quorum (the engine's wrapping for ``ft_manager=``); in 8-bit
-    floats with ``comm_hook="fp8"`` or ``"fp8-ef"`` (:mod:`distamp.parallel.fp8_replicas`)."""
-    check_torchft_version()
-    if comm_hook in ("fp8", "fp8-ef"):
-        from distamp.parallel.fp8_replicas import replica_fp8_ddp
-
-        return replica_fp8_ddp(manager, model, comm_hook)
-    from torchft import DistributedDataParallel
-
-    return DistributedDataParallel(manager, model)
 
 
 def unwrap_ft_optimizer(optimizer: Any, manager: Any) -> Any:
@@ -145,7 +128,7 @@ class ManagerGroup(ExternalGroup):
     MAX (skip flags) is reduced as MAX. SUM (a clipping sum of squares, which rides with the flags)
     is reduced as torchft's AVG: every participating replica holds the same averaged gradients, so
     the mean over the replicas is one replica's sum, and the element counts of
-    :mod:`distamp.parallel.topology` stay those of the replica group. A replica that is healing
+    :mod:`distamp.agreement.topology` stay those of the replica group. A replica that is healing
     this step contributes zeros (torchft zeroes its tensor) and receives the quorum's value.
 
     When the collective fails (a replica died in it), torchft records the error, the manager's

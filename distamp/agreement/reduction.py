@@ -1,7 +1,7 @@
 """Rank-wide agreement on found_inf: every flag of a step (and a norm term) in ONE collective.
 
 The skip decision is only safe if every rank takes it from the same number. *Which* ranks must
-agree is :mod:`distamp.parallel.topology`'s question; this module owns *how* their flags are
+agree is :mod:`distamp.agreement.topology`'s question; this module owns *how* their flags are
 combined:
 packed into one tensor in a fixed order, reduced with MAX — never SUM, because fused optimizers
 skip only when found_inf is exactly 1 — or, when a norm term rides along, SUM-reduced and folded
@@ -24,7 +24,7 @@ GroupSpec = Any  # ProcessGroup (or alike) | DeviceMesh | torchft Manager | None
 
 class ExternalGroup:
     """A set of ranks reached by something other than a ``torch.distributed`` group (the replicas
-    of a torchft quorum, :mod:`distamp.parallel.replicas`): it reduces a tensor in place itself.
+    of a torchft quorum, :mod:`distamp.agreement.replicas`): it reduces a tensor in place itself.
     Its ranks hold replicas of what the groups before it hold, so they add no element copies."""
 
     def all_reduce_(self, tensor: torch.Tensor, op: Any) -> None:
