@@ -4,13 +4,13 @@ distamp builds on a few torch names that are not public API: the multi-tensor op
 ``GradScaler`` and ``clip_grad_norm_`` run on (``torch._foreach_norm``,
 ``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch._amp_update_scale_``), the grouping
 helper they bucket tensors with, the ``GradScaler`` members :class:`DistributedGradScaler`
-overrides, the base class of pipeline stages, FSDP1's hybrid replica group, DTensor's local
-tensor, the hook tables of ``nn.Module`` (emptied on a copy made for export), AOTInductor's
-entry points (and one of torchft's: the Manager's process group). Private names move between
-releases without notice, so they are read here and only here: a rename shows up as one failing check
-(:func:`missing_internals`, run by ``tests/test_torch_compat.py`` on the floor, the pinned and
-the newest torch of :data:`distamp.versions.TORCH`) instead of an ``AttributeError`` in the
-middle of a run.
+overrides (and the scale tensor, read without a host sync), the base class of pipeline stages,
+FSDP1's hybrid replica group, DTensor's local tensor, the hook tables of ``nn.Module`` (emptied
+on a copy made for export), AOTInductor's entry points (and one of torchft's: the Manager's
+process group). Private names move between releases without notice, so they are read here and
+only here: a rename shows up as one failing check (:func:`missing_internals`, run by
+``tests/test_torch_compat.py`` on the floor, the pinned and the newest torch of
+:data:`distamp.versions.TORCH`) instead of an ``AttributeError`` in the middle of a run.
 
 Each name was checked on every torch release of that window.
 """
@@ -38,6 +38,7 @@ __all__ = [
     "foreach_mul_",
     "foreach_norm",
     "fsdp1_replica_group",
+    "grad_scaler_scale",
     "group_by_device_and_dtype",
     "in_recomputation",
     "compiled_backward_without_autocast",
@@ -131,6 +132,19 @@ def is_pipeline_stage(obj: Any) -> bool:
     except ImportError:  # pragma: no cover - torch builds without pipelining
         return False
     return isinstance(obj, _PipelineStageBase)
+
+
+def grad_scaler_scale(scaler: Any) -> torch.Tensor | None:
+    """A ``torch.amp.GradScaler``'s current scale as its device tensor (``None`` before its
+    first ``scale()``), read without a host sync.
+
+    torch offers only ``get_scale()``, which returns a Python float (``.item()``: a wait on the
+    device); the tensor itself is the private ``_scale`` (in :data:`GRAD_SCALER_MEMBERS`). Only
+    read, never written; any scaler keeping its scale there (torch's ``ShardedGradScaler``) is
+    read the same way.
+    """
+    scale = getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else None
 
 
 def fsdp1_replica_group(module: Any) -> Any:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from distamp.agreement.scale_reads import current_loss_scale
 from distamp.cluster import is_distributed
 from distamp.observe.writers import ProgressPrinter  # re-exported: the name's old home
 
@@ -95,10 +96,9 @@ class StepResult:
         if scaler is None or not scaler.is_enabled():
             return cls(None, None, norm)
         skipped = getattr(scaler, "last_step_skipped", None)
-        # torch's GradScaler has no public accessor for the scale that avoids a host sync
-        # (get_scale() calls .item()); its `_scale` tensor is only read (checked on torch 2.13).
-        scale = getattr(scaler, "_scale", None)
-        scale = scale.detach().clone() if isinstance(scale, torch.Tensor) else None
+        # The tensor, not get_scale() (a host sync); copied, since the next update() changes it.
+        scale = current_loss_scale(scaler)
+        scale = None if scale is None else scale.detach().clone()
         return cls(skipped if isinstance(skipped, torch.Tensor) else None, scale, norm)
 
     @property

@@ -23,6 +23,7 @@ from distamp.observe.diagnostics import (
 from distamp.scaler.config import validate_state_dict
 from distamp.scaler.records import StepAgreement, StepWatcher
 from distamp.scaler.scale_state import ScaleState
+from distamp.torch_compat import grad_scaler_scale
 
 __all__ = ["ScalerReporting"]
 
@@ -88,6 +89,14 @@ class ScalerReporting(torch.amp.GradScaler):
         if last is None:
             return torch.zeros((), dtype=torch.bool)
         return last if last.dtype == torch.bool else last > 0
+
+    @property
+    def scale_tensor(self) -> torch.Tensor | None:
+        """The current scale as the scaler's own device tensor (``None`` before the first
+        ``scale()``), read without a host sync: what a comm hook or a step's result reads every
+        step, where :meth:`get_scale` waits for the device. ``update()`` changes it: clone it to
+        keep a step's value, and never write it (the scale's bounds are kept by ``update``)."""
+        return grad_scaler_scale(self)
 
     @property
     def skipped_steps(self) -> int:
