@@ -1,7 +1,9 @@
 """Triton kernels of the 8-bit gradient exchange: one launch per step instead of a few dozen.
 
 Imported lazily by :mod:`distamp.kernels.fp8_wire` (``import distamp`` never imports Triton),
-which holds the torch reference these kernels reproduce bit for bit and documents the numbers.
+which holds the torch reference these kernels reproduce bit for bit and documents the numbers;
+the bounds and the target's bits come from :mod:`distamp.kernels.fp8_numbers`, and nothing from
+the reference is imported here, so the dependency runs one way.
 
 Layout. A bucket is ``rows`` chunks of ``chunk`` fp32 values (``chunk`` any size: a program
 covers ``ROWS`` chunks of ``next_power_of_2(chunk)`` lanes, the tail masked). Each program
@@ -24,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from distamp.kernels.fp8_wire import LOG2_MAX, LOG2_MIN, target_parts
+from distamp.kernels.fp8_numbers import LOG2_MAX, LOG2_MIN, target_parts
 
 __all__ = ["chunk_amax", "dequantise", "quantise", "sum_shards"]
 

@@ -22,6 +22,7 @@ Numbers, shared by both paths (the kernels reproduce them bit for bit):
   ``k`` clamped to [-126, 126]; 1 for a chunk whose amax is 0 or not finite. The exponent comes
   from the bits of amax and target (``frexp``), not from ``floor(log2(target / amax))``, whose
   rounding can put ``amax * s`` a hair above the target and which no kernel reproduces exactly.
+  The bounds and the target's bits are :mod:`distamp.kernels.fp8_numbers`', read by both paths.
 - **cast**: torch's ``.to(float8_e4m3fn)`` / ``.to(float8_e5m2)`` (round to nearest even; e4m3fn
   saturates at 448, inf included; e5m2 overflows to inf), done in the kernels on the integer bits:
   Triton's own float8 conversion rounds differently under the interpreter (measured: 126.58 became
@@ -32,14 +33,13 @@ Numbers, shared by both paths (the kernels reproduce them bit for bit):
 
 from __future__ import annotations
 
-import importlib
-import math
 import warnings
 from types import ModuleType
 
 import torch
 
 from distamp.kernels.dispatch import get_default_backend
+from distamp.kernels.fp8_numbers import LOG2_MAX, LOG2_MIN, target_parts
 
 __all__ = [
     "LOG2_MAX",
@@ -54,10 +54,6 @@ __all__ = [
     "target_parts",
 ]
 
-# The scale and its reciprocal stay fp32 normal numbers (2**-126 is the smallest); with it any
-# finite fp32 amax fits the 8-bit range on up to 2**7 ranks, and overflows() flags the rest.
-LOG2_MIN, LOG2_MAX = -126, 126
-
 _kernels: ModuleType | None = None
 _kernels_error: BaseException | None = None
 _auto_failed = False
@@ -68,7 +64,9 @@ def _load() -> ModuleType | None:
     global _kernels, _kernels_error
     if _kernels is None and _kernels_error is None:
         try:
-            _kernels = importlib.import_module("distamp.kernels.fp8_exchange")
+            from distamp.kernels import fp8_exchange  # Triton: imported on first use only
+
+            _kernels = fp8_exchange
         except Exception as exc:  # ImportError, or a Triton build that fails on import
             _kernels_error = exc
     return _kernels
@@ -112,16 +110,6 @@ def _run_kernel(name: str, backend: str | None, *args: object) -> object:
         )
         _auto_failed = True
         return None
-
-
-def target_parts(target: float) -> tuple[int, int]:
-    """``target`` rounded to fp32, as ``(significand, exponent)`` with ``target == sig * 2**exp``
-    and ``2**23 <= sig < 2**24``: what the scales are computed from, in both paths."""
-    value = torch.tensor(target, dtype=torch.float32).item()  # the fp32 the kernels see
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"target must be a positive finite number, got {target!r}")
-    mantissa, exponent = math.frexp(value)
-    return int(mantissa * 2**24), exponent - 24
 
 
 def chunk_amax(chunks: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
