@@ -1,35 +1,42 @@
-"""The ``distamp`` command: ``launch`` starts a script on N processes, ``env`` reports the setup,
-``export`` writes a trained checkpoint for inference (:mod:`distamp.deploy.command`).
+"""The ``distamp`` command's parser: ``launch`` starts a script on N processes, ``env`` reports
+the setup, ``versions`` prints the verified releases, ``export`` writes a trained checkpoint for
+inference (:mod:`distamp.deploy.command`).
 
-The launcher -> command mapping (:func:`build_command`) and the ``auto`` rule
-(:func:`resolve_launcher`) are pure functions; only :func:`main` looks at the machine and runs.
+Only the parser and the argument checks live here. What a launch starts and how is
+:mod:`distamp.cluster.launching` (the launch spec, the ``auto`` rule and the launcher -> command
+mapping, pure functions); running the job (signals passed on, exit codes, no process left
+behind) is :mod:`distamp.cluster.supervise`'s; the environment report is
+:mod:`distamp.env_report`. Their public names stay importable from here.
 
 Every bad argument is an argparse usage error (exit code 2, the argument, the value and what is
 allowed) found before anything starts: :func:`int_arg` and :func:`real_arg` are the argument
-types, shared with ``launch/train.py``. Running the job (signals passed on, exit codes, no
-process left behind) is :mod:`distamp.cluster.supervise`'s.
+types, shared with ``launch/train.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import sys
-import warnings
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from distamp.arguments import INT32_MAX  # process counts and ranks end up in torch int32 args
-from distamp.cluster import detect_environment, free_port
-from distamp.cluster.supervise import GRACE_S, run_command, run_torchrun
+from distamp.cluster.launching import (
+    LAUNCHER_CHOICES,
+    LaunchSpec,
+    build_command,
+    check_endpoint,
+    resolve_launcher,
+    resolve_spec,
+    run_launch,
+)
+from distamp.cluster.supervise import GRACE_S
 from distamp.deploy.targets import TARGETS
+from distamp.env_report import environment_report, package_version, print_report
 from distamp.versions import compatibility_table
 
 __all__ = [
@@ -41,9 +48,6 @@ __all__ = [
     "real_arg",
     "resolve_launcher",
 ]
-
-LAUNCHER_CHOICES = ("auto", "torchrun", "mpirun", "srun", "single")
-TORCHRUN = ("-m", "torch.distributed.run")  # after the Python executable: how torchrun is started
 
 
 def int_arg(low: int, high: int = INT32_MAX) -> Callable[[str], int]:
@@ -85,178 +89,11 @@ def real_arg(low: float, high: float = math.inf, *, above: bool = False) -> Call
 
 
 def _endpoint(text: str) -> str:
-    """``HOST:PORT`` with a non-empty host and a TCP port (1-65535)."""
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(
-            f"expected HOST:PORT with a TCP port in [1, 65535], got {text!r}"
-        )
-    return text
-
-
-@dataclass(frozen=True, kw_only=True)
-class LaunchSpec:
-    """What to start and how; every machine-dependent value is resolved by the caller."""
-
-    launcher: str  # "torchrun" | "mpirun" | "srun" | "single" (not "auto": see resolve_launcher)
-    script: str
-    script_args: tuple[str, ...] = ()
-    nnodes: int = 1
-    nproc_per_node: int = 1
-    node_rank: int | None = None
-    rdzv_endpoint: str | None = None  # "host:port" of rank 0 / the rendezvous
-    python: str = "python"
-    as_root: bool = False  # Open MPI refuses root without --allow-run-as-root
-
-
-def resolve_launcher(
-    requested: str, *, nnodes: int, env: Mapping[str, str], srun_available: bool
-) -> str:
-    """Map ``auto`` to a launcher; other names pass through.
-
-    ``auto`` is torchrun, which works on a laptop and, as one agent per node, inside srun steps and
-    mpirun jobs. The exception: several nodes from inside a SLURM allocation that is not yet in a
-    step (``salloc``/``sbatch`` shell), where only srun reaches the other nodes. Never mpirun: a
-    nested mpirun inside an MPI job is not supported by the MPI implementations.
-    """
-    if requested != "auto":
-        return requested
-    in_allocation = "SLURM_JOB_ID" in env and "SLURM_STEP_ID" not in env
-    return "srun" if nnodes > 1 and in_allocation and srun_available else "torchrun"
-
-
-def build_command(spec: LaunchSpec) -> list[str]:
-    """The argv that starts ``spec.script`` under ``spec.launcher`` (pure: no I/O, no environment).
-
-    Raises:
-        ValueError: a process count below 1, an unknown launcher, or a multi-node torchrun without
-            ``rdzv_endpoint``.
-    """
-    if spec.nnodes < 1 or spec.nproc_per_node < 1:
-        raise ValueError(
-            f"--nnodes={spec.nnodes} and --nproc-per-node={spec.nproc_per_node}: need >= 1"
-        )
-    program = [spec.python, spec.script, *spec.script_args]
-    host, _, port = (spec.rdzv_endpoint or "").rpartition(":")
-    if spec.launcher == "torchrun":
-        cmd = [spec.python, *TORCHRUN, "--nnodes", str(spec.nnodes)]
-        if spec.rdzv_endpoint is None and spec.nnodes == 1:
-            cmd += ["--standalone"]  # a private rendezvous on a free local port
-        elif spec.rdzv_endpoint is None:
-            raise ValueError(
-                "torchrun on several nodes needs --rdzv-endpoint HOST:PORT (a node of the job)"
-            )
-        else:
-            cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", spec.rdzv_endpoint]
-            cmd += [] if spec.node_rank is None else ["--node-rank", str(spec.node_rank)]
-        return [*cmd, "--nproc-per-node", str(spec.nproc_per_node), spec.script, *spec.script_args]
-    if spec.launcher == "mpirun":  # Open MPI's option names
-        cmd = ["mpirun", "-np", str(spec.nnodes * spec.nproc_per_node)]
-        cmd += ["--allow-run-as-root"] if spec.as_root else []
-        # One node: allow more ranks than detected cores (small CI machines); several: fill by node.
-        cmd += (
-            ["--oversubscribe"]
-            if spec.nnodes == 1
-            else ["--map-by", f"ppr:{spec.nproc_per_node}:node"]
-        )
-        # Without an endpoint the ranks ask rank 0 for its address over MPI (needs mpi4py).
-        cmd += (
-            ["-x", f"MASTER_ADDR={host}", "-x", f"MASTER_PORT={port}"] if spec.rdzv_endpoint else []
-        )
-        return [*cmd, *program]
-    if spec.launcher == "srun":
-        cmd = ["srun", f"--nodes={spec.nnodes}", f"--ntasks-per-node={spec.nproc_per_node}"]
-        cmd += ["--kill-on-bad-exit=1"]  # one failed rank ends the step instead of leaving a hang
-        cmd += [f"--export=ALL,MASTER_ADDR={host},MASTER_PORT={port}"] if spec.rdzv_endpoint else []
-        return [*cmd, *program]
-    if spec.launcher == "single":
-        if spec.nnodes * spec.nproc_per_node != 1:
-            raise ValueError("--launcher single starts one process: drop --nnodes/--nproc-per-node")
-        return program
-    raise ValueError(f"launcher {spec.launcher!r} is not one of {', '.join(LAUNCHER_CHOICES[1:])}")
-
-
-def _version(dist: str) -> str | None:
+    """An argparse ``type``: :func:`distamp.cluster.launching.check_endpoint`, as a usage error."""
     try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _autocast_supported(device: str, dtype: Any) -> bool:
-    import torch
-
-    if device == "cuda" and not torch.cuda.is_available():
-        return False
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            torch.autocast(device, dtype=dtype)
-        except (RuntimeError, ValueError):
-            return False
-    return not caught  # torch warns, then disables autocast, for a dtype the device cannot run
-
-
-# What `distamp env` shows of the environment: launcher variables and the backends' knobs.
-_SHOWN = re.compile(
-    r"(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|CUDA_VISIBLE_DEVICES)$|MPI_LOCAL"
-    r"|(MASTER|TORCHELASTIC|SLURM|OMPI_COMM_WORLD|PMI|MV2_COMM_WORLD|DISTAMP|NCCL|TORCH_NCCL|GLOO"
-    r"|TORCH_DISTRIBUTED)_"
-)
-
-
-def environment_report(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Versions, detected launcher, CUDA/NCCL/MPI, autocast and fp8 support, launcher variables.
-
-    Versions come from package metadata, so mpi4py, triton and torchao are reported without being
-    imported (importing mpi4py would initialize MPI). fp8: see
-    :func:`distamp.precision.fp8_torchao.fp8_support` (CUDA compute capability 8.9+, or the CPU
-    through
-    ``torch._scaled_mm``; torchao in range).
-    """
-    import torch
-    import torch.distributed as dist
-
-    from distamp.precision.fp8_torchao import fp8_support
-
-    env = os.environ if env is None else env
-    try:
-        detected: dict[str, Any] = asdict(detect_environment(env))
+        return check_endpoint(text)
     except ValueError as exc:
-        detected = {"error": str(exc)}
-    cuda = torch.cuda.is_available()
-    devices = (
-        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
-    )
-    nccl = dist.is_available() and dist.is_nccl_available()
-    return {
-        "versions": {
-            "distamp": _version("distamp"),
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "triton": _version("triton"),
-            "mpi4py": _version("mpi4py"),
-        },
-        "environment": detected,
-        "cuda": {
-            "available": cuda,
-            "version": torch.version.cuda,
-            "devices": devices,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda and nccl else None,
-        },
-        "mpi": {
-            "mpirun": shutil.which("mpirun"),
-            "srun": shutil.which("srun"),
-            "torch_mpi_backend": dist.is_mpi_available(),
-        },
-        "autocast": {
-            f"{device}.{name}": _autocast_supported(device, dtype)
-            for device in ("cpu", "cuda")
-            for name, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16))
-        },
-        "fp8": fp8_support(),
-        "variables": {k: v for k, v in sorted(env.items()) if _SHOWN.match(k)},
-    }
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 _LAUNCH_EXAMPLES = """examples:
@@ -277,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="distamp", description="distributed mixed precision", allow_abbrev=False
     )
     parser.add_argument(
-        "--version", action="version", version=f"distamp {_version('distamp') or 'unknown'}"
+        "--version", action="version", version=f"distamp {package_version('distamp') or 'unknown'}"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     launch = sub.add_parser(
@@ -381,11 +218,15 @@ def _check_launch(args: argparse.Namespace) -> None:
     """What argparse cannot check one argument at a time: usage error (exit 2) if wrong."""
     error = args.usage_error
     if args.node_rank is not None and args.node_rank >= args.nnodes:
-        error(f"argument --node-rank: expected a node index in [0, {args.nnodes - 1}] for "
-              f"--nnodes {args.nnodes}, got {args.node_rank}")  # fmt: skip
+        error(
+            f"argument --node-rank: expected a node index in [0, {args.nnodes - 1}] for "
+            f"--nnodes {args.nnodes}, got {args.node_rank}"
+        )
     if args.nnodes * args.nproc_per_node > INT32_MAX:
-        error(f"--nnodes x --nproc-per-node = {args.nnodes * args.nproc_per_node} processes: "
-              f"at most {INT32_MAX}")  # fmt: skip
+        error(
+            f"--nnodes x --nproc-per-node = {args.nnodes * args.nproc_per_node} processes: "
+            f"at most {INT32_MAX}"
+        )
     if args.dry_run or args.sbatch:
         return  # only printed: the script may live on the machine that will run it
     if not os.path.isfile(args.script):
@@ -417,24 +258,15 @@ def _launch(args: argparse.Namespace) -> int:
             args.usage_error(f"argument --sbatch: {exc}")
         print(script, end="")
         return 0
-    launcher = resolve_launcher(
-        args.launcher, nnodes=args.nnodes, env=os.environ, srun_available=bool(shutil.which("srun"))
-    )
-    endpoint = args.rdzv_endpoint
-    if endpoint is None and {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
-        endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"  # explicit ones win
-    if endpoint is None and launcher == "mpirun" and args.nnodes == 1:
-        endpoint = f"127.0.0.1:{free_port()}"  # one node: no need for mpi4py to find rank 0
-    spec = LaunchSpec(
-        launcher=launcher,
-        script=args.script,
-        script_args=tuple(args.script_args),
+    spec = resolve_spec(
+        args.launcher,
+        args.script,
+        args.script_args,
         nnodes=args.nnodes,
         nproc_per_node=args.nproc_per_node,
         node_rank=args.node_rank,
-        rdzv_endpoint=endpoint,
-        python=sys.executable,
-        as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+        rdzv_endpoint=args.rdzv_endpoint,
+        srun_available=bool(shutil.which("srun")),
     )
     try:
         cmd = build_command(spec)
@@ -443,21 +275,7 @@ def _launch(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    try:
-        if launcher == "torchrun":
-            # In this process, not as a child: see distamp.cluster.supervise for why.
-            return run_torchrun(cmd[1 + len(TORCHRUN) :], grace_s=args.grace_period)
-        return run_command(cmd, grace_s=args.grace_period)
-    except FileNotFoundError:
-        print(f"distamp launch: error: {cmd[0]!r} is not on PATH", file=sys.stderr)
-        return 127
-
-
-def _print_report(report: Mapping[str, Any]) -> None:
-    for section, values in report.items():
-        print(f"{section}:")
-        for key, value in values.items():
-            print(f"  {key:<20} {'-' if value is None else value}")
+    return run_launch(spec, cmd, grace_s=args.grace_period)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -479,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        _print_report(report)
+        print_report(report)
     return 0
 
 

@@ -9,6 +9,8 @@ that name what was waiting when a peer stops answering.
   fix; :func:`shutdown_distributed`.
 - :mod:`~distamp.cluster.collectives`: :func:`named_collective`, :func:`is_distributed`.
 - :mod:`~distamp.cluster.agreement`: :func:`agree_settings`, settings compared across ranks once.
+- :mod:`~distamp.cluster.launching`: what ``distamp launch`` starts and how: the launch spec,
+  the ``auto`` rule, the launcher -> command mapping.
 - :mod:`~distamp.cluster.supervise`: what ``distamp launch`` runs: signals passed on to every
   rank, no process left behind, the job's exit code.
 """
