@@ -45,6 +45,7 @@ from distamp import (
     apply_activation_checkpointing,
     compile_blocks,
     detect_environment,
+    export,
     init_distributed,
     parse_precision,
     shutdown_distributed,
@@ -474,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         suffix = args.export.suffix
         target = {".onnx": "onnx", ".pte": "pte"}.get(suffix, "pt2")
         example = data.batch(0)[0][:1].cpu()
-        save(amp.export((example,), dynamic_shapes="batch"), args.export, target=target)
+        save(export(amp, (example,), dynamic_shapes="batch"), args.export, target=target)
         print(f"exported to {args.export} ({target}; precision record: {args.export}.json)",
               file=sys.stderr)  # fmt: skip
     amp.close()  # releases the wrapped model, which holds the process group

@@ -16,6 +16,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,6 +33,7 @@ from distamp.deploy import (
     ModelSpec,
     Tolerance,
     export_checkpoint,
+    export_engine,
     precision_record,
     read_record,
     record_model,
@@ -87,7 +89,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     ckpt = tmp_path_factory.mktemp("deploy") / "ckpt"
     amp.save_state(ckpt)
     record_model(ckpt, _spec())
-    program = amp.export(data.batch(0)[0][:1], dynamic_shapes="batch", check=data.batch(9)[0])
+    program = distamp.export(
+        amp, data.batch(0)[0][:1], dynamic_shapes="batch", check=data.batch(9)[0]
+    )
     yield {"amp": amp, "model": model, "data": data, "program": program, "ckpt": ckpt}
     amp.close()
 
@@ -351,6 +355,29 @@ def test_the_model_itself_is_not_changed_by_export(trained: dict[str, Any]) -> N
     assert all(p.dtype == torch.float32 and p.requires_grad for p in model.parameters())
     fc = dict(model.named_modules())[PROMOTED]
     assert Region(fc).promoted  # the live promotion is still in place
+
+
+def _fp32_modules(program: torch.export.ExportedProgram) -> set[str]:
+    record = precision_record(program)
+    assert record is not None
+    return {m["module"] for m in record["modules"] if m["dtype"] == "float32"}
+
+
+def test_an_engine_exports_with_its_own_policy_and_promotions_unless_given(
+    trained: dict[str, Any],
+) -> None:
+    amp, x = trained["amp"], trained["data"].batch(0)[0][:1]
+    assert _fp32_modules(trained["program"]) == {*NORMS, PROMOTED}  # distamp.export(amp, ...)
+    assert _fp32_modules(export_engine(amp, x)) == {*NORMS, PROMOTED}  # the same entry
+    assert _fp32_modules(distamp.export(amp, x, promotions=())) == NORMS  # given: replaces
+
+
+def test_an_engine_whose_strategy_shards_the_model_is_refused_with_the_fix() -> None:
+    engine: Any = SimpleNamespace(
+        strategy="fsdp2", model=nn.Linear(2, 2), precision="bf16", config=None, adaptive=None
+    )
+    with pytest.raises(ValueError, match=r"no rank holds the whole model.*distamp export DIR"):
+        distamp.export(engine, torch.ones(1, 2))
 
 
 def test_train_py_exports_at_the_end(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.compiled_autograd import _enable as compiled_autograd_enabled
 from torch.utils.checkpoint import checkpoint
 
-from distamp import AdaptiveRules, AutocastPolicy, BackwardScaleRules, DistAMP
+from distamp import AdaptiveRules, AutocastPolicy, BackwardScaleRules, DistAMP, export
 from launch.model import lm_loss
 
 NAN, INF = float("nan"), float("inf")
@@ -247,7 +247,7 @@ def test_a_model_trained_with_checkpointing_exports() -> None:
             loss = lm_loss(amp.model, data.batch(k))
         amp.backward_and_step(loss)
     x = data.batch(5)[0][:1]
-    program = amp.export((x,))
+    program = export(amp, (x,))
     with torch.no_grad(), amp.autocast():
         trained = amp.model(x).float()
     exported = program.module()(x)

@@ -4,8 +4,9 @@
 precision as explicit casts (fp32 islands, adaptive promotions, float8 Linears as bf16), with an
 optional numerical check against the fp32 model; :func:`save` writes it for a target (``.pt2``,
 AOTInductor, ONNX, ExecuTorch) with its precision record next to it. From an engine checkpoint:
-:func:`export_checkpoint` (the ``distamp export`` command). Nothing below this package imports
-it, except :meth:`distamp.DistAMP.export`, which delegates here.
+:func:`export_checkpoint` (the ``distamp export`` command); after training with the engine,
+``distamp.export(amp, example_inputs)``. Nothing below this package imports it: deploy reads the
+engine and its checkpoints, never the other way round.
 """
 
 from distamp.deploy.check import CheckReport, Divergence, ExportCheckError, OutputCheck, Tolerance

@@ -162,11 +162,11 @@ def _describe_inputs(args: tuple[Any, ...], batch: bool) -> list[dict[str, Any]]
 
 
 def export(
-    model: nn.Module,
+    model: nn.Module | TrainedEngine,
     example_inputs: Any,
     *,
-    policy: AutocastPolicy | PrecisionLike = "bf16",
-    promotions: Iterable[PrecisionChange] = (),
+    policy: AutocastPolicy | PrecisionLike | None = None,
+    promotions: Iterable[PrecisionChange] | None = None,
     dynamic_shapes: Any = None,
     max_batch: int = 1024,
     check: Any = None,
@@ -184,13 +184,15 @@ def export(
     the ``.pt2`` loads with ``torch.export.load`` alone.
 
     Args:
-        model: the trained model (unwrapped; an engine's: :meth:`distamp.DistAMP.export`). Not
-            changed: a copy is exported.
+        model: the trained model (unwrapped), or the :class:`~distamp.DistAMP` that trained it
+            (``distamp.export(amp, ...)``: its model, taken out of DDP, with its policy and
+            promotions; :func:`export_engine`). Not changed: a copy is exported.
         example_inputs: the forward's positional arguments (a tensor or a tuple).
         policy: the training policy, or a precision (``"fp16"``: the default policy of that
-            precision, normalization layers and the fp32 ops in fp32).
+            precision, normalization layers and the fp32 ops in fp32). ``None``: an engine's
+            own (its policy, else its precision's default policy), ``"bf16"`` for a model.
         promotions: the adaptive rules' change log of training (``amp.adaptive`` or a
-            checkpoint's; :meth:`distamp.DistAMP.export` passes it).
+            checkpoint's). ``None``: an engine's own, none for a model.
         dynamic_shapes: ``None`` (the example's shapes), ``"batch"`` (the first dimension of
             every tensor input, 1 to ``max_batch``), or ``torch.export``'s own specification.
         max_batch: the largest batch of ``dynamic_shapes="batch"`` (ExecuTorch plans its
@@ -210,10 +212,14 @@ def export(
         ExportCheckError: (a ``ValueError``) the check failed; names the first diverging module
             and the fix.
         ValueError: inputs that do not fit the model, check inputs unlike the example, a bad
-            option, a promotion of a module the model lacks, a sharded parameter.
+            option, a promotion of a module the model lacks, a sharded parameter, an engine
+            whose strategy shards the model (FSDP, FSDP2, HSDP: export its checkpoint).
         TypeError: inputs that are not a tensor or a tuple.
     """
-    policy = as_policy(policy)
+    if not isinstance(model, nn.Module):  # an engine after training
+        model, policy, promotions = _trained(model, policy, promotions)
+    policy = as_policy("bf16" if policy is None else policy)
+    promotions = () if promotions is None else promotions
     auto_islands = as_bool("auto_islands", auto_islands)
     max_batch = as_integer("max_batch", max_batch)
     max_rounds = as_integer("max_rounds", max_rounds)
@@ -292,7 +298,8 @@ def annotate_record(program: torch.export.ExportedProgram, **fields: Any) -> Non
 
 
 class TrainedEngine(Protocol):
-    """What :func:`export_engine` reads of a :class:`~distamp.DistAMP` after training."""
+    """What :func:`export` reads of a :class:`~distamp.DistAMP` after training (structurally:
+    deploy sits above the engine and reads it; the engine never imports deploy)."""
 
     @property
     def model(self) -> nn.Module: ...
@@ -305,27 +312,41 @@ class TrainedEngine(Protocol):
     adaptive: Any
 
 
-def export_engine(
-    engine: TrainedEngine, example_inputs: Any, **options: Any
-) -> torch.export.ExportedProgram:
-    """:func:`export` for an engine's model after training: its policy (or the default policy
-    of its precision), the promotions its adaptive rules made, the model unwrapped from DDP.
-
-    Raises:
-        ValueError: a sharded strategy (FSDP, FSDP2, HSDP): no rank holds the whole model; the
-            message says how to export from a checkpoint instead. And :func:`export`'s errors.
-    """
+def _trained(
+    engine: TrainedEngine,
+    policy: AutocastPolicy | PrecisionLike | None,
+    promotions: Iterable[PrecisionChange] | None,
+) -> tuple[nn.Module, AutocastPolicy | PrecisionLike, Iterable[PrecisionChange]]:
+    """An engine's model (out of DDP), and the policy and promotions to export it with: those
+    given, else the engine's own (see :func:`export`)."""
     if engine.strategy in _SHARDED:
         raise ValueError(
-            f"DistAMP.export with strategy={engine.strategy!r}: the parameters are sharded, so "
-            "no rank holds the whole model. Save a checkpoint (amp.save_state(DIR), on every "
+            f"distamp.export(amp) with strategy={engine.strategy!r}: the parameters are sharded, "
+            "so no rank holds the whole model. Save a checkpoint (amp.save_state(DIR), on every "
             "rank) and export it in one process: distamp export DIR -o model.pt2"
         )
     model = engine.model
     inner = getattr(model, "module", None)  # DDP (torch's or torchft's) holds the model
     if isinstance(inner, nn.Module):
         model = inner
-    options.setdefault("policy", engine.config.policy or AutocastPolicy(engine.precision))
-    if "promotions" not in options and engine.adaptive is not None:
-        options["promotions"] = adaptive_changes({"adaptive": engine.adaptive.state_dict()})
-    return export(model, example_inputs, **options)
+    if policy is None:
+        policy = engine.config.policy or AutocastPolicy(engine.precision)
+    if promotions is None:
+        promotions = ()
+        if engine.adaptive is not None:
+            promotions = adaptive_changes({"adaptive": engine.adaptive.state_dict()})
+    return model, policy, promotions
+
+
+def export_engine(
+    engine: TrainedEngine, example_inputs: Any, **options: Any
+) -> torch.export.ExportedProgram:
+    """:func:`export` for an engine's model after training, the same as
+    ``distamp.export(amp, example_inputs, ...)``: its policy (or the default policy of its
+    precision), the promotions its adaptive rules made, the model unwrapped from DDP.
+
+    Raises:
+        ValueError: a sharded strategy (FSDP, FSDP2, HSDP): no rank holds the whole model; the
+            message says how to export from a checkpoint instead. And :func:`export`'s errors.
+    """
+    return export(engine, example_inputs, **options)

@@ -466,14 +466,6 @@ class DistAMP(RunLoop):
         ``None`` before the first report or without a monitor."""
         return None if self.adaptive is None else self.adaptive.latest
 
-    def export(self, example_inputs: Any, **options: Any) -> Any:
-        """The trained model as a ``torch.export.ExportedProgram`` in its trained precision: the
-        policy's fp32 islands and the adaptive promotions as explicit casts. No collective:
-        call it on one rank. Options and errors: :func:`distamp.deploy.export_engine`."""
-        from distamp.deploy.export import export_engine
-
-        return export_engine(self, example_inputs, **options)
-
     def close(self) -> None:
         """Finish the job cleanly on every rank (collective; idempotent; no training after).
 
