@@ -3,6 +3,9 @@
 - no module imports another module's private name, and none reads another object's private
   member defined by distamp (the owner exposes what collaborators need);
 - no import cycle between distamp's modules, type-only and function-level imports included;
+- the packages import in layers (:data:`LAYERS`): each only from the layers below it, with
+  function-level imports and ``importlib.import_module("distamp...")`` counted and only imports
+  for type checking (``if TYPE_CHECKING:``) aside; hence no cycle between packages either;
 - no module over 500 lines.
 
 Each failure names the file, the line and the rule.
@@ -59,6 +62,20 @@ def _defined_private_names() -> set[str]:
     return names
 
 
+_DYNAMIC_IMPORTS = ("importlib.import_module", "import_module", "__import__")
+
+
+def _dynamic_import(node: ast.AST) -> str | None:
+    """The distamp module a call such as ``importlib.import_module("distamp.x")`` or
+    ``__import__("distamp.x")`` loads: such a call is an import like any other."""
+    if not (isinstance(node, ast.Call) and ast.unparse(node.func) in _DYNAMIC_IMPORTS):
+        return None
+    first = node.args[0] if node.args else None
+    if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+        return None  # a name computed at run time: not a fixed dependency
+    return first.value if first.value.startswith("distamp") else None
+
+
 def _imports(module: str, tree: ast.Module) -> Iterator[tuple[int, str, str | None]]:
     """(line, imported module, imported name or None) for every distamp import, anywhere."""
     for node in ast.walk(tree):
@@ -77,6 +94,22 @@ def _imports(module: str, tree: ast.Module) -> Iterator[tuple[int, str, str | No
                 continue
             for alias in node.names:
                 yield node.lineno, base, alias.name
+        elif (loaded := _dynamic_import(node)) is not None:
+            yield node.lineno, loaded, None
+
+
+_TYPE_CHECKING = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def _type_checking_lines(tree: ast.Module) -> set[int]:
+    """The lines inside ``if TYPE_CHECKING:`` blocks: imports there exist for the type checker
+    only and are never executed."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in _TYPE_CHECKING:
+            for stmt in node.body:
+                lines.update(range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1))
+    return lines
 
 
 def _target(base: str, name: str | None) -> str:
@@ -156,6 +189,84 @@ def test_no_import_cycles() -> None:
                 graph.setdefault(module, set()).add(target)
     cycles = _cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+# The layers, from the ground up (the design's "packages in layers"): a package imports only
+# from packages of a lower layer. "ground" is the plain modules every layer may use. The
+# package's __init__ (the public API: re-exports) and the legacy public paths distamp.fp8 and
+# distamp.fp8_parallel sit on top, so nothing inside the package imports them.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("arguments", "versions", "torch_compat"),  # ground
+    ("cluster",),
+    ("kernels",),
+    ("agreement",),
+    ("observe",),
+    ("scaler",),
+    ("precision",),
+    ("parallel",),
+    ("engine",),
+    ("integrations", "deploy", "env_report"),  # env_report: what `distamp env` asks them all
+    ("cli",),
+    ("__init__", "fp8", "fp8_parallel"),  # the public paths: re-exports only
+)
+_GROUND = LAYERS[0]
+
+
+def _package(module: str) -> str:
+    """The first-level part of distamp a module belongs to: its subpackage (``scaler``), the
+    plain module itself (``cli``, ``fp8``), "ground" for the ground modules, ``__init__`` for
+    the package's own ``__init__``."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__"
+    return "ground" if parts[1] in _GROUND else parts[1]
+
+
+def _layer_of(package: str) -> int | None:
+    """The index of ``package``'s layer in :data:`LAYERS`; ``None`` for one it lacks."""
+    if package == "ground":
+        return 0
+    for level, names in enumerate(LAYERS):
+        if package in names:
+            return level
+    return None
+
+
+def _package_edges() -> Iterator[tuple[str, int, str, str]]:
+    """(file, line, importing package, imported package) for every import that crosses from
+    one first-level package to another, imports for type checking aside."""
+    for module, tree in TREES.items():
+        type_only = _type_checking_lines(tree)
+        for line, base, name in _imports(module, tree):
+            target = _target(base, name)
+            if line in type_only or target not in MODULES:
+                continue
+            source_pkg, target_pkg = _package(module), _package(target)
+            if source_pkg != target_pkg:
+                yield str(MODULES[module].relative_to(PACKAGE.parent)), line, source_pkg, target_pkg
+
+
+def test_every_package_has_a_layer() -> None:
+    unknown = sorted({_package(m) for m in MODULES if _layer_of(_package(m)) is None})
+    assert not unknown, f"packages missing from LAYERS in tests/test_house.py: {unknown}"
+
+
+def test_no_import_cycles_between_packages() -> None:
+    graph: dict[str, set[str]] = {}
+    for _, _, source, target in _package_edges():
+        graph.setdefault(source, set()).add(target)
+    cycles = _cycles(graph)
+    assert not cycles, "package import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_packages_import_only_from_lower_layers() -> None:
+    order = " < ".join(", ".join(names) for names in LAYERS)
+    bad = []
+    for path, line, source, target in _package_edges():
+        low, high = _layer_of(source), _layer_of(target)
+        if low is None or high is None or low <= high:
+            bad.append(f"{path}:{line}: {source} imports {target}")
+    assert not bad, f"imports against the layer order ({order}):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
