@@ -262,9 +262,15 @@ def render_sbatch(
             "comments and commands early: give such arguments to sbatch when submitting"
         )
     render = [
-        "distamp launch --launcher", kind, "--nnodes", str(nodes), "--nproc-per-node",
-        str(gpus_per_node), "--sbatch --dry-run", shlex.join([script, *script_args]),
-    ]  # fmt: skip
+        "distamp launch --launcher",
+        kind,
+        "--nnodes",
+        str(nodes),
+        "--nproc-per-node",
+        str(gpus_per_node),
+        "--sbatch --dry-run",
+        shlex.join([script, *script_args]),
+    ]
     values = {
         "TITLE": _TITLES[kind],
         "RENDER": " ".join(render),

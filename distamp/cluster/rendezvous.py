@@ -183,9 +183,13 @@ def _round_store(env: DistEnv, seconds: float) -> Any:
         base = _STORES.get(key)
         if base is None:
             base = dist.TCPStore(
-                env.main_address, env.main_port, env.world_size, is_master=env.rank == 0,
-                timeout=timeout, multi_tenant=True,
-            )  # fmt: skip
+                env.main_address,
+                env.main_port,
+                env.world_size,
+                is_master=env.rank == 0,
+                timeout=timeout,
+                multi_tenant=True,
+            )
             _STORES[key] = base
         base.set_timeout(timeout)
         launch = "distamp/"

@@ -202,9 +202,8 @@ def _record(model: nn.Module, skip: set[str]) -> tuple[dict[str, Any], list[str]
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [
-        v for _, v in _leaves(value, "")
-        if isinstance(v, torch.Tensor) and v.is_floating_point()
-    ]  # fmt: skip
+        v for _, v in _leaves(value, "") if isinstance(v, torch.Tensor) and v.is_floating_point()
+    ]
 
 
 def _diverges(low: Any, ref: Any, rel: float, dtype: torch.dtype) -> str | None:

@@ -148,14 +148,15 @@ class ModelSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
         if data.get("format") != SPEC_FORMAT:
             raise ValueError(f"format {data.get('format')!r}, this distamp reads {SPEC_FORMAT}")
-        inputs = tuple(
-            InputSpec(**{**i, "shape": tuple(i["shape"])}) for i in data["inputs"]
-        )  # fmt: skip
+        inputs = tuple(InputSpec(**{**i, "shape": tuple(i["shape"])}) for i in data["inputs"])
         fields = {k: data[k] for k in ("factory", "precision") if k in data}
         return cls(
-            **fields, kwargs=dict(data.get("kwargs") or {}), policy=data.get("policy"),
-            inputs=inputs, source=data.get("source"),
-        )  # fmt: skip
+            **fields,
+            kwargs=dict(data.get("kwargs") or {}),
+            policy=data.get("policy"),
+            inputs=inputs,
+            source=data.get("source"),
+        )
 
 
 def record_model(directory: str | os.PathLike[str], spec: ModelSpec) -> Path:
@@ -218,10 +219,14 @@ def _load_weights(root: Path, model: nn.Module, spec: ModelSpec) -> dict[str, An
         raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from exc
     theirs = {k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")}
     mine = model.state_dict()
-    problems = [f"{len(s)} {what} ({', '.join(sorted(s)[:4])})" for what, s in (
-        ("entries the model lacks", set(theirs) - set(mine)),
-        ("model entries missing from the checkpoint", set(mine) - set(theirs)),
-    ) if s]  # fmt: skip
+    problems = [
+        f"{len(s)} {what} ({', '.join(sorted(s)[:4])})"
+        for what, s in (
+            ("entries the model lacks", set(theirs) - set(mine)),
+            ("model entries missing from the checkpoint", set(mine) - set(theirs)),
+        )
+        if s
+    ]
     sizes: dict[str, tuple[int, ...] | None] = {
         k: tuple(v.size) if hasattr(v, "size") else None for k, v in theirs.items()
     }  # None: not a tensor
@@ -309,7 +314,10 @@ def export_checkpoint(
         tolerance=tolerance,
     )
     annotate_record(
-        program, checkpoint=trainer["checkpoint"], step=trainer.get("step"), factory=spec.factory,
+        program,
+        checkpoint=trainer["checkpoint"],
+        step=trainer.get("step"),
+        factory=spec.factory,
         kwargs=dict(spec.kwargs),
-    )  # fmt: skip
+    )
     return save(program, output, target=target)

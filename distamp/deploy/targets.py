@@ -137,8 +137,9 @@ def _write_aoti(program: torch.export.ExportedProgram, path: Path) -> dict[str, 
     }
 
 
-def save(program: torch.export.ExportedProgram, path: str | os.PathLike[str], *,
-         target: str = "pt2") -> Path:  # fmt: skip
+def save(
+    program: torch.export.ExportedProgram, path: str | os.PathLike[str], *, target: str = "pt2"
+) -> Path:
     """Write ``program`` for ``target`` to ``path``, and its precision record to
     ``path + ".json"``; every target but ``"pt2"`` is loaded back with its runtime and run on
     the program's example inputs (the difference from the program is recorded).

@@ -177,9 +177,10 @@ def save_checkpoint(
     try:
         with _single_process_quiet():  # DCP fsyncs the files it writes
             dcp_save(
-                {"model": msd, "optim": osd}, checkpoint_id=tmp / "state",
+                {"model": msd, "optim": osd},
+                checkpoint_id=tmp / "state",
                 no_dist=not is_distributed(),
-            )  # fmt: skip
+            )
         _save_synced(capture_rng(), tmp / f"rng_{rank}.pt")
         if rank_state is not None:
             _save_synced(rank_state, tmp / f"rank_{rank}.pt")

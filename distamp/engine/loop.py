@@ -102,11 +102,17 @@ class RunLoop:
                 (:func:`check_fit_arguments`).
         """
         args = check_fit_arguments(
-            batch=batch, loss_fn=loss_fn, steps=steps, tokens_per_batch=tokens_per_batch,
-            log_interval=log_interval, on_log=on_log, on_step=on_step,
-            stop_requested=stop_requested, checkpoint_dir=checkpoint_dir,
+            batch=batch,
+            loss_fn=loss_fn,
+            steps=steps,
+            tokens_per_batch=tokens_per_batch,
+            log_interval=log_interval,
+            on_log=on_log,
+            on_step=on_step,
+            stop_requested=stop_requested,
+            checkpoint_dir=checkpoint_dir,
             checkpoint_interval=checkpoint_interval,
-        )  # fmt: skip
+        )
         steps, tokens_per_batch = args["steps"], args["tokens_per_batch"]
         log_interval, checkpoint_interval = args["log_interval"], args["checkpoint_interval"]
         n, stats, model = self.config.grad_accum_steps, None, self.model

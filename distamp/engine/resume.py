@@ -89,9 +89,13 @@ def check_resume(
         raise unreadable(read.path / f"rank_{rank}.pt", why, read.path.parent) from None
     trainer_file = read.path / "trainer.pt"
     return plan_resume(
-        read.trainer, trainer_file, precision=precision, scaler=scaler, scheduler=scheduler,
+        read.trainer,
+        trainer_file,
+        precision=precision,
+        scaler=scaler,
+        scheduler=scheduler,
         adaptive=adaptive,
-    )  # fmt: skip
+    )
 
 
 def _field(file: Path, name: str, why: str, value: Any) -> ValueError:
@@ -124,8 +128,10 @@ def plan_resume(
         raise _field(file, unknown[0], "is not one distamp writes (another tool's file?)", unknown)
     for key in ("step", "scaler", "scheduler"):
         if key not in trainer:
-            raise ValueError(f"checkpoint file {file} lacks the field {key!r}: not a distamp "
-                             "checkpoint, or a damaged one")  # fmt: skip
+            raise ValueError(
+                f"checkpoint file {file} lacks the field {key!r}: not a distamp "
+                "checkpoint, or a damaged one"
+            )
     step = trainer["step"]
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
         raise _field(file, "step", "must be an int in [0, 2**63 - 1]", step)

@@ -194,10 +194,14 @@ class DistAMPAccelerator(Accelerator):
             self.scaler = scaler
         self.register_load_state_pre_hook(self._check_scaler_file)
         agree_plugin_settings(  # one collective, now: ranks built differently fail here
-            type(self).__name__, precision=str(mode), scaler=self.scaler, policy=policy,
-            trust_ddp_sync=self.trust_ddp_sync, distributed_type=str(self.distributed_type),
+            type(self).__name__,
+            precision=str(mode),
+            scaler=self.scaler,
+            policy=policy,
+            trust_ddp_sync=self.trust_ddp_sync,
+            distributed_type=str(self.distributed_type),
             gradient_accumulation_steps=self.gradient_accumulation_steps,
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------------ preparing
     def prepare_model(
@@ -215,9 +219,12 @@ class DistAMPAccelerator(Accelerator):
             self.policy.apply(model)
             if self.adaptive is None and not evaluation_mode:
                 self.adaptive = AdaptiveRun.for_plugin(
-                    model, policy=self.policy, scaler=self.scaler, owner=type(self).__name__,
+                    model,
+                    policy=self.policy,
+                    scaler=self.scaler,
+                    owner=type(self).__name__,
                     precision=str(self.state.mixed_precision),
-                )  # fmt: skip
+                )
             inner, policy, device_type = model.forward, self.policy, self.device.type
 
             @functools.wraps(inner)

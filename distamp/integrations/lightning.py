@@ -165,15 +165,21 @@ class DistAMPPrecision(MixedPrecision):
             self.policy.apply(module)
             if self.adaptive is None:
                 self.adaptive = AdaptiveRun.for_plugin(
-                    module, policy=self.policy, precision=self.precision, scaler=self.scaler,
+                    module,
+                    policy=self.policy,
+                    precision=self.precision,
+                    scaler=self.scaler,
                     owner=type(self).__name__,
-                )  # fmt: skip
+                )
         if isinstance(self.scaler, DistributedGradScaler):
             self.scaler.register_module(module)  # parameter names for overflow reports
         agree_plugin_settings(  # one collective per setup(): ranks built differently fail here
-            type(self).__name__, precision=self.precision, scaler=self.scaler,
-            policy=self.policy, trust_ddp_sync=self.trust_ddp_sync,
-        )  # fmt: skip
+            type(self).__name__,
+            precision=self.precision,
+            scaler=self.scaler,
+            policy=self.policy,
+            trust_ddp_sync=self.trust_ddp_sync,
+        )
         return super().convert_module(module)
 
     def forward_context(self) -> AbstractContextManager[Any]:

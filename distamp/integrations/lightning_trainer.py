@@ -133,9 +133,12 @@ class TrainerPrecisionBase(Precision):
                 self.adaptive = None
             if self.adaptive is None:
                 self.adaptive = AdaptiveRun.for_plugin(
-                    module, policy=self.policy, precision=self._parsed, scaler=self._scaler,
+                    module,
+                    policy=self.policy,
+                    precision=self._parsed,
+                    scaler=self._scaler,
                     owner=type(self).__name__,
-                )  # fmt: skip
+                )
         return super().convert_module(module)
 
     def connect(
@@ -149,10 +152,14 @@ class TrainerPrecisionBase(Precision):
         """
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
         agree_plugin_settings(  # one collective: ranks built differently fail before training
-            type(self).__name__, precision=self._parsed.name, scaler=self._scaler,
-            policy=self.policy, trust_ddp_sync=self.trust_ddp_sync, unscale=self.unscale,
+            type(self).__name__,
+            precision=self._parsed.name,
+            scaler=self._scaler,
+            policy=self.policy,
+            trust_ddp_sync=self.trust_ddp_sync,
+            unscale=self.unscale,
             gate_schedulers=self.gate_schedulers,
-        )  # fmt: skip
+        )
         if self.trust_ddp_sync and isinstance(model, torch.nn.parallel.DistributedDataParallel):
             self._clipper.register_module(model, trust_ddp_sync=True)
         else:

@@ -191,9 +191,14 @@ class AdaptiveRun:
         if not adaptive and interval is None:
             return None
         return cls(
-            model, precision=precision, policy=policy, scaler=scaler, interval=interval,
-            step=step, stage=stage,
-        )  # fmt: skip
+            model,
+            precision=precision,
+            policy=policy,
+            scaler=scaler,
+            interval=interval,
+            step=step,
+            stage=stage,
+        )
 
     @classmethod
     def for_plugin(

@@ -308,8 +308,9 @@ class BackwardScales:
 
     def grad_exponents(self) -> dict[torch.Tensor, int]:
         """Each block parameter and its exponent (for the scaler's unscale pass)."""
-        return {p: k for params, k in zip(self._params, self.exponents, strict=True)
-                for _, p in params}  # fmt: skip
+        return {
+            p: k for params, k in zip(self._params, self.exponents, strict=True) for _, p in params
+        }
 
     # ------------------------------------------------------------------ statistics
     def _fold(self, skipped: torch.Tensor) -> None:

@@ -274,12 +274,14 @@ class AutocastPolicy:
             defaults = Float8Settings()
             self.fp8 = Float8Settings(
                 recipe=defaults.recipe if recipe is None else recipe,
-                min_features=defaults.min_features if fp8_min_features is None
+                min_features=defaults.min_features
+                if fp8_min_features is None
                 else fp8_min_features,
                 exclude=exclude,
                 fsdp_float8_all_gather=defaults.fsdp_float8_all_gather
-                if fp8_all_gather is None else fp8_all_gather,
-            )  # fmt: skip
+                if fp8_all_gather is None
+                else fp8_all_gather,
+            )
         else:
             given = [k for k, v in fp8_options.items() if v is not None]
             given += ["fp8_exclude"] if exclude else []

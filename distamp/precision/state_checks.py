@@ -224,9 +224,13 @@ def check_backward_scale_state(
     for n in names:
         why = " (BackwardScaleRules.max_exponent)"
         k = as_number(
-            f"{label} 'exponents'[{n!r}]", saved[n], integer=True, low=0, high=max_exponent,
+            f"{label} 'exponents'[{n!r}]",
+            saved[n],
+            integer=True,
+            low=0,
+            high=max_exponent,
             why=why,
-        )  # fmt: skip
+        )
         if k and n in pinned:
             raise ValueError(
                 f"{label} 'exponents'[{n!r}]={k}: block {n!r} shares a parameter with another "
