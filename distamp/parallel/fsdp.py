@@ -4,14 +4,13 @@ Both shard every repeated block of the model on its own and then the root, so at
 parameters are gathered at a time. "Repeated block" means an entry of an ``nn.ModuleList`` — the
 convention of transformer implementations — unless the caller names the classes to wrap.
 
-Mixed precision: when :func:`distamp.precision.policy.select_mp_owner` hands it to FSDP, parameters
-are
-gathered in the compute dtype but gradients are always reduced (and kept) in fp32, so the loss
-scaler sees fp32 gradients and fp16 reductions cannot overflow. With an
-:class:`~distamp.precision.policy.AutocastPolicy`, the policy decides instead, on every device: its
-fp32
-modules become units of their own gathered, computed and reduced in fp32, every other unit is
-gathered in the compute dtype and reduced in the policy's ``reduce_dtype``.
+Mixed precision: when :func:`distamp.precision.policy.select_mp_owner` hands it to FSDP,
+parameters are gathered in the compute dtype but gradients are always reduced (and kept) in
+fp32, so the loss scaler sees fp32 gradients and fp16 reductions cannot overflow. With an
+:class:`~distamp.precision.policy.AutocastPolicy`, the policy decides instead, on every device:
+its fp32 modules become units of their own gathered, computed and reduced in fp32, every other
+unit is gathered in the compute dtype and reduced in the policy's ``reduce_dtype``. Both come
+from :func:`distamp.precision.fsdp_settings.fsdp_mixed_precision`.
 
 HSDP is FSDP2 on a 2-D mesh (replicate x shard): parameters are sharded within a shard group and
 replicated across groups; :func:`hsdp_mesh` builds the mesh.
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from distamp.precision.fsdp_settings import fsdp_mixed_precision
 from distamp.precision.policy import AutocastPolicy
 
 __all__ = [
@@ -57,17 +57,15 @@ def repeated_blocks(
 
 
 def fsdp1_mixed_precision(dtype: torch.dtype) -> torch.distributed.fsdp.MixedPrecision:
-    """FSDP1 policy: compute in ``dtype``, reduce gradients in fp32."""
-    from torch.distributed.fsdp import MixedPrecision
-
-    return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
+    """FSDP1 without a policy: compute in ``dtype``, reduce gradients in fp32, buffers fp32
+    (:func:`~distamp.precision.fsdp_settings.fsdp_mixed_precision`)."""
+    return fsdp_mixed_precision(1, dtype)
 
 
 def fsdp2_mixed_precision(dtype: torch.dtype) -> torch.distributed.fsdp.MixedPrecisionPolicy:
-    """FSDP2 policy: compute in ``dtype``, reduce gradients in fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    """FSDP2 without a policy: compute in ``dtype``, reduce gradients in fp32
+    (:func:`~distamp.precision.fsdp_settings.fsdp_mixed_precision`)."""
+    return fsdp_mixed_precision(2, dtype)
 
 
 def apply_fsdp1(

@@ -27,6 +27,7 @@ from distamp.arguments import as_bool, integer_or_none
 from distamp.precision.adaptive import AdaptivePrecision, AdaptiveRules
 from distamp.precision.backward_scales import BackwardScaleRules, BackwardScales
 from distamp.precision.fp8_select import Float8Settings
+from distamp.precision.fsdp_settings import fsdp_mixed_precision
 from distamp.precision.op_names import fp32_op_names
 from distamp.precision.patterns import as_patterns, check_module_patterns, module_specs
 from distamp.precision.regions import Fp32Ops, can_carry_region, region_of, release_region
@@ -409,28 +410,19 @@ class AutocastPolicy:
     # ------------------------------------------------------------------ FSDP
     def fsdp2_policy(self, *, fp32: bool = False) -> Any:
         """FSDP2 ``MixedPrecisionPolicy`` for an ordinary unit (gather in the compute dtype) or,
-        with ``fp32``, for an fp32 module's own unit (gather, compute and reduce in fp32)."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        if fp32 or self.compute_dtype is None:
-            return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
+        with ``fp32``, for an fp32 module's own unit (gather, compute and reduce in fp32); see
+        :func:`~distamp.precision.fsdp_settings.fsdp_mixed_precision`."""
+        return fsdp_mixed_precision(
+            2, self.compute_dtype, reduce_dtype=self.reduce_dtype, fp32=fp32
+        )
 
     def fsdp1_policy(self, *, fp32: bool = False) -> Any:
         """FSDP1 ``MixedPrecision``, as :meth:`fsdp2_policy`. fp32 units cast their inputs to
-        fp32 themselves (FSDP1 casts only at the root by default)."""
-        from torch.distributed.fsdp import MixedPrecision
-
-        if fp32 or self.compute_dtype is None:
-            return MixedPrecision(
-                param_dtype=torch.float32,
-                reduce_dtype=torch.float32,
-                buffer_dtype=torch.float32,
-                cast_forward_inputs=self.cast_inputs,
-            )
-        return MixedPrecision(
-            param_dtype=self.compute_dtype,
+        fp32 themselves when the policy says so (FSDP1 casts only at the root by default)."""
+        return fsdp_mixed_precision(
+            1,
+            self.compute_dtype,
             reduce_dtype=self.reduce_dtype,
-            # Buffers (BatchNorm's running stats) stay fp32: they accumulate over steps.
-            buffer_dtype=torch.float32,
+            fp32=fp32,
+            cast_inputs=self.cast_inputs,
         )
