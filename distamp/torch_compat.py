@@ -6,9 +6,11 @@ distamp builds on a few torch names that are not public API: the multi-tensor op
 helper they bucket tensors with, the ``GradScaler`` members :class:`DistributedGradScaler`
 overrides (and the scale tensor, read without a host sync), the base class of pipeline stages,
 FSDP1's hybrid replica group, DTensor's local tensor, the hook tables of ``nn.Module`` (emptied
-on a copy made for export), AOTInductor's entry points (and one of torchft's: the Manager's
-process group). Private names move between releases without notice, so they are read here and
-only here: a rename shows up as one failing check (:func:`missing_internals`, run by
+on a copy made for export), AOTInductor's entry points, the storage of a sparse gradient; and
+the one private name each of torchft (the Manager's process group), torchao (the float8
+weight wrapper's tensor and precomputed scale) and Accelerate (its mark on a prepared model)
+keeps with no public accessor. Private names move between releases without notice, so they are
+read here and only here: a rename shows up as one failing check (:func:`missing_internals`, run by
 ``tests/test_torch_compat.py`` on the floor, the pinned and the newest torch of
 :data:`distamp.versions.TORCH`) instead of an ``AttributeError`` in the middle of a run.
 
@@ -34,7 +36,10 @@ __all__ = [
     "aoti_compile_and_package",
     "aoti_load_package",
     "clear_module_hooks",
+    "accelerate_prepared",
     "dtensor_local",
+    "float8_plain_weight",
+    "foreach_copy_",
     "foreach_mul_",
     "foreach_norm",
     "fsdp1_replica_group",
@@ -45,6 +50,8 @@ __all__ = [
     "is_pipeline_stage",
     "missing_internals",
     "scaled_mm",
+    "set_float8_scale",
+    "sparse_values",
     "takes_grad_scale",
     "torchft_manager_group",
 ]
@@ -54,6 +61,9 @@ foreach_norm = torch._foreach_norm
 """``torch._foreach_norm(tensors, ord, dtype=None)``: one norm per tensor, one launch per group."""
 foreach_mul_ = torch._foreach_mul_
 """``torch._foreach_mul_(tensors, scalar_or_tensor)``: in-place multiply of every tensor."""
+foreach_copy_ = torch._foreach_copy_
+"""``torch._foreach_copy_(dst, src)``: copy every source into its destination in one launch per
+group (the 8-bit exchange's packing and unpacking of a bucket's gradients)."""
 amp_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 """``(tensors, found_inf, inv_scale)``: multiply by ``inv_scale`` and set ``found_inf`` to 1
 where a value is not finite: torch's ``GradScaler.unscale_`` kernel."""
@@ -184,6 +194,39 @@ def dtensor_local(weight: Any) -> Any:
     return getattr(weight, "_local_tensor", None)
 
 
+def sparse_values(grad: torch.Tensor) -> torch.Tensor:
+    """The stored values of a sparse COO tensor, coalesced or not.
+
+    The public ``values()`` refuses an uncoalesced tensor, and coalescing a gradient only to
+    check and unscale its values would add a sort and a copy; ``_values()`` is the storage
+    itself (what torch's own ``GradScaler.unscale_`` reads for sparse gradients)."""
+    return grad._values()
+
+
+def float8_plain_weight(tensor: Any) -> Any:
+    """The high-precision tensor inside torchao's ``WeightWithDynamicFloat8CastTensor`` (the
+    tensor itself when it is not one): torchao keeps it in ``_tensor``, with no accessor.
+
+    Checked with the torchao releases of :data:`distamp.versions.WINDOWS`
+    (``tests/test_fp8_nd.py``)."""
+    return getattr(tensor, "_tensor", tensor)
+
+
+def set_float8_scale(tensor: Any, scale: torch.Tensor) -> None:
+    """Set the scale FSDP2's next pre-all-gather cast of torchao's
+    ``WeightWithDynamicFloat8CastTensor`` uses (its ``_precomputed_scale``): torchao's own
+    ``precompute_float8_dynamic_scale_for_fsdp`` sets it the same way, and has no public
+    setter."""
+    tensor._precomputed_scale = scale
+
+
+def accelerate_prepared(model: Any) -> bool:
+    """Whether Accelerate's ``prepare`` already wrapped ``model`` (its ``forward`` then runs under
+    Accelerate's autocast): Accelerate marks it with ``_is_accelerate_prepared`` and offers no
+    public test."""
+    return bool(getattr(model, "_is_accelerate_prepared", False))
+
+
 # The per-module hook tables of ``nn.Module``: torch removes a hook through the handle its
 # ``register_*`` call returned, and offers no call that drops them all.
 _MODULE_HOOK_TABLES = (
@@ -240,6 +283,10 @@ def missing_internals() -> list[str]:
     module = torch.nn.Module()
     missing += [f"torch.nn.Module.{t}" for t in _MODULE_HOOK_TABLES if not hasattr(module, t)]
     inductor = importlib.import_module("torch._inductor")
+    if not hasattr(torch, "_foreach_copy_"):
+        missing.append("torch._foreach_copy_")
+    if not hasattr(torch.Tensor, "_values"):
+        missing.append("torch.Tensor._values")
     aoti = ("aoti_compile_and_package", "aoti_load_package")
     missing += [f"torch._inductor.{n}" for n in aoti if not hasattr(inductor, n)]
     if not hasattr(importlib.import_module("torch._functorch.config"), "backward_pass_autocast"):

@@ -58,6 +58,7 @@ from distamp.precision.adaptive_run import AdaptiveRun, change_metrics  # noqa: 
 from distamp.precision.policy import parse_precision  # noqa: E402
 from distamp.precision.requirements import check_policy_precision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
+from distamp.torch_compat import accelerate_prepared  # noqa: E402
 
 __all__ = ["ACCELERATE_VERSION", "SUPPORTED", "DistAMPAccelerator", "DistAMPOptimizer"]
 
@@ -215,7 +216,7 @@ class DistAMPAccelerator(Accelerator):
         The policy's context is put *inside* Accelerate's autocast: nesting autocast with the
         same dtype changes nothing, and the policy's fp32 modules and ops then win.
         """
-        if self.policy is not None and not getattr(model, "_is_accelerate_prepared", False):
+        if self.policy is not None and not accelerate_prepared(model):
             self.policy.apply(model)
             if self.adaptive is None and not evaluation_mode:
                 self.adaptive = AdaptiveRun.for_plugin(

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from distamp.agreement.scale_reads import current_loss_scale, last_step_skipped
 from distamp.agreement.traffic import WireBytes
 from distamp.kernels import fp8_wire
+from distamp.torch_compat import foreach_copy_
 
 __all__ = [
     "FORMATS",
@@ -355,7 +356,7 @@ class BucketExchange:
         x = torch.zeros(layout.total, dtype=torch.float32, device=self.buffer.device)
         self.grads = list(self.buffer.split(layout.numels))  # consecutive, in bucket order
         if contributes:
-            torch._foreach_copy_(layout.views(x), self.grads)
+            foreach_copy_(layout.views(x), self.grads)
             residual = state.bucket_residual(layout, x)
             if residual is not None:
                 x += residual
@@ -377,7 +378,7 @@ class BucketExchange:
         state.sent.add("all_gather", q2.numel(), comm.world)
         comm.all_gather(gathered, q2.reshape(-1))
         out = fp8_wire.dequantise(gathered, amax_all, state.fmax, state.dtype)
-        torch._foreach_copy_(self.grads, layout.views(out))
+        foreach_copy_(self.grads, layout.views(out))
         return self.buffer
 
 

@@ -45,7 +45,12 @@ from torch import nn
 from distamp.agreement.reduction import ExternalGroup, FlagReducer
 from distamp.agreement.topology import agreement_group
 from distamp.precision.fp8_torchao import require_torchao
-from distamp.torch_compat import dtensor_local, foreach_norm
+from distamp.torch_compat import (
+    dtensor_local,
+    float8_plain_weight,
+    foreach_norm,
+    set_float8_scale,
+)
 
 __all__ = ["WeightScales", "fp8_tp_plan", "gathers_in_float8", "is_float8_linear"]
 
@@ -70,11 +75,11 @@ class _TorchaoShard:
     """This rank's part of a weight that FSDP2 gathers in float8: torchao's
     ``WeightWithDynamicFloat8CastTensor`` inside the weight's DTensor.
 
-    The one place that touches DTensor's and torchao's private names (checked on torch 2.13
-    with torchao 0.18). FSDP2's pre-all-gather cast reads the scale precomputed on that very
-    object (``_precomputed_scale``; torchao's own ``precompute_float8_dynamic_scale_for_fsdp``
-    sets it the same way, and there is no public setter), and ``DTensor.to_local()`` cannot
-    reach the object: for a Parameter it returns a fresh view, on which the scale would be lost.
+    DTensor's and torchao's private names are read through :mod:`distamp.torch_compat`.
+    FSDP2's pre-all-gather cast reads the scale precomputed on that very object (torchao's own
+    ``precompute_float8_dynamic_scale_for_fsdp`` sets it the same way, and there is no public
+    setter), and ``DTensor.to_local()`` cannot reach the object: for a Parameter it returns a
+    fresh view, on which the scale would be lost.
     """
 
     def __init__(self, weight: Any) -> None:
@@ -87,11 +92,11 @@ class _TorchaoShard:
     def plain(self) -> torch.Tensor:
         """The high-precision tensor the wrapper forwards every op to: one plain foreach
         kernel over these instead of a subclass dispatch per weight."""
-        return getattr(self.tensor, "_tensor", self.tensor)
+        return float8_plain_weight(self.tensor)
 
     def set_scale(self, scale: torch.Tensor) -> None:
         """The scale FSDP2's next pre-all-gather cast uses for this weight."""
-        self.tensor._precomputed_scale = scale
+        set_float8_scale(self.tensor, scale)
 
 
 def _mesh_digest(mesh: Any, cache: dict[int, bytes]) -> bytes:

@@ -31,7 +31,7 @@ import torch
 from distamp.agreement.topology import is_dtensor, local_grad
 from distamp.kernels import unscale_check_sumsq_
 from distamp.observe.diagnostics import OverflowRecorder
-from distamp.torch_compat import group_by_device_and_dtype
+from distamp.torch_compat import group_by_device_and_dtype, sparse_values
 
 __all__ = ["GradGroup", "GradPlan", "GradPlans", "check_groups_"]
 
@@ -136,8 +136,7 @@ def _slow_groups(
             if grad.dtype is torch.float16:
                 grad = grad.coalesce()
                 p.grad = grad
-            # torch's values of a sparse tensor, coalesced or not (public values() needs coalesced)
-            grad = grad._values()
+            grad = sparse_values(grad)  # coalesced or not
         group = groups.get((grad.device, grad.dtype))
         if group is None:
             group = groups[grad.device, grad.dtype] = GradGroup(grad.device, grad.dtype, [], [])
