@@ -4,14 +4,14 @@ Each submodule imports its framework when it is itself imported, never from here
 ``import distamp`` (and ``import distamp.integrations``) works without Accelerate or Lightning:
 
 - :mod:`distamp.integrations.accelerate`: ``DistAMPAccelerator``, an ``accelerate.Accelerator``.
-- :mod:`distamp.integrations.lightning`: ``DistAMPPrecision`` (Fabric precision plugin) and
-  ``DistAMPEnvironment`` (a ``ClusterEnvironment`` over :func:`distamp.detect_environment`);
-  re-exports the Trainer plugins (``DistAMPTrainerPrecision`` of
-  :mod:`distamp.integrations.lightning_trainer`, ``DistAMPFSDPPrecision`` of
-  :mod:`distamp.integrations.lightning_fsdp`) and the scheduler gate of
-  :mod:`distamp.integrations.lightning_scheduler` (``SkipAwareScheduler``). The Fabric module
-  and the Trainer plugins' modules take the Lightning version check from
-  :mod:`distamp.integrations.lightning_version`, so the re-exporting module is imported by none.
+- :mod:`distamp.integrations.lightning`: a package, one module per plug-in: ``DistAMPPrecision``
+  (Fabric precision plugin), ``DistAMPEnvironment`` (a ``ClusterEnvironment`` over
+  :func:`distamp.detect_environment`), the Trainer plugins ``DistAMPTrainerPrecision`` and
+  ``DistAMPFSDPPrecision`` on one base class, the scheduler gate ``SkipAwareScheduler`` and the
+  ``DistAMPResumeCheck`` callback, all importable from the package. Its modules take the
+  Lightning version check from :mod:`distamp.integrations.lightning.version`. The former modules
+  ``lightning_trainer``, ``lightning_fsdp``, ``lightning_resume``, ``lightning_scheduler`` and
+  ``lightning_version`` re-export from there.
 """
 
 from __future__ import annotations

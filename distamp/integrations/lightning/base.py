@@ -1,59 +1,40 @@
-"""Lightning Trainer precision plugins with distamp's rank-consistent scaler.
+"""The base of the Trainer precision plug-ins: the scaler, the step, clipping, the scheduler gate
+and checkpoints, behind Lightning's ``Precision`` hooks.
 
-``Trainer(plugins=[DistAMPTrainerPrecision("16-mixed")])`` (DDP, single device,
-``ModelParallelStrategy``) or ``Trainer(strategy=FSDPStrategy(...),
-plugins=[DistAMPFSDPPrecision("16-mixed")])`` (:mod:`distamp.integrations.lightning_fsdp`).
-Where Lightning's own ``16-mixed`` falls short in distributed fp16, these plugins:
-
-- skip an overflowing step on every rank or on none (:class:`~distamp.DistributedGradScaler`),
-  also when the inf appears on one rank only (FSDP shards, fused optimizers, gradient hooks),
-  and report it: :attr:`last_step_skipped`, :attr:`step_was_skipped`, :attr:`skipped_steps`;
-- do not step ``interval="step"`` learning-rate schedulers at skipped steps
-  (:class:`~distamp.integrations.lightning_scheduler.SkipAwareScheduler`, installed in
-  ``connect``);
-- clip through ``Trainer(gradient_clip_val=...)`` / ``configure_gradient_clipping`` with the
-  scaler's one-pass, one-collective ``clip_grad_norm_``, also for fused optimizers (Lightning
-  raises) and under FSDP (Lightning's ``FSDPPrecision`` refuses norm clipping);
-- save and restore the scaler (scale, growth and hysteresis trackers, skip counter) in Trainer
-  checkpoints;
-- take an :class:`~distamp.AutocastPolicy` for the modules and ops that stay in fp32, and run
-  its adaptive rules and backward scales exactly as :class:`~distamp.DistAMP` does (the same
-  :class:`~distamp.precision.adaptive_run.AdaptiveRun`, driven by the scaler's step), each change
-  logged to the Trainer's loggers and kept in its checkpoints.
-
-Lightning refuses ``Trainer(precision="16-mixed", strategy=ModelParallelStrategy(...))`` by
-checking the *string* flag only (``_AcceleratorConnector._validate_precision_choice`` in
-Lightning 2.6); a precision plugin passed in ``plugins=`` is accepted, so fp16 runs there with
-:class:`DistAMPTrainerPrecision`. ``FSDPStrategy`` demands an ``FSDPPrecision`` instance (its
-``precision_plugin`` setter), hence
-:class:`~distamp.integrations.lightning_fsdp.DistAMPFSDPPrecision`, built on the same base.
+Lightning keeps one precision plug-in per variant on one ``Precision`` base; distamp does the
+same. :class:`TrainerPrecisionBase` holds what both Trainer plug-ins do the same way, and each
+plug-in puts it in front of the Lightning class its strategy demands:
+:class:`~distamp.integrations.lightning.trainer.DistAMPTrainerPrecision` (``MixedPrecision``:
+single device, DDP, ``ModelParallelStrategy``) and
+:class:`~distamp.integrations.lightning.fsdp.DistAMPFSDPPrecision` (``FSDPPrecision``:
+``FSDPStrategy``). Every hook it overrides says in its docstring why Lightning calls it and what
+distamp does there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from distamp.integrations import lightning_version
+from distamp.integrations.lightning import version as lightning_version
 
 LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked the version
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
-from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.pytorch.plugins.precision.precision import Precision  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 
 from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
-from distamp.integrations.lightning_scheduler import SkipAwareScheduler  # noqa: E402
+from distamp.integrations.lightning.arguments import UnscaleWhen  # noqa: E402
+from distamp.integrations.lightning.scheduler import SkipAwareScheduler  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
 from distamp.precision.adaptive_run import (  # noqa: E402
     AdaptiveRun,
@@ -61,29 +42,30 @@ from distamp.precision.adaptive_run import (  # noqa: E402
     load_plugin_state,
     plugin_state,
 )
-from distamp.precision.policy import AutocastPolicy, parse_precision  # noqa: E402
+from distamp.precision.policy import AutocastPolicy  # noqa: E402
 from distamp.precision.policy import Precision as ParsedPrecision  # noqa: E402
-from distamp.precision.requirements import check_policy_precision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
-__all__ = [
-    "LIGHTNING_VERSION",
-    "DistAMPTrainerPrecision",
-    "TrainerPrecisionBase",
-    "check_plugin_args",
-    "lightning_precision_name",
-]
-
-UnscaleWhen = Literal["auto", "before_hooks", "at_clip"]
+__all__ = ["LIGHTNING_VERSION", "TrainerPrecisionBase"]
 
 
 class TrainerPrecisionBase(Precision):
     """What both Trainer plugins share: the scaler, the step, clipping, schedulers, state
-    (:class:`DistAMPTrainerPrecision` here, ``DistAMPFSDPPrecision`` in
-    :mod:`distamp.integrations.lightning_fsdp`).
+    (:class:`~distamp.integrations.lightning.trainer.DistAMPTrainerPrecision` and
+    :class:`~distamp.integrations.lightning.fsdp.DistAMPFSDPPrecision`).
 
     Subclasses put it in front of the Lightning class their strategy demands
-    (``MixedPrecision`` or ``FSDPPrecision``); ``super()`` then reaches that class.
+    (``MixedPrecision`` or ``FSDPPrecision``); ``super()`` then reaches that class. Each
+    subclass checks its arguments
+    (:func:`~distamp.integrations.lightning.arguments.check_plugin_args`), calls its Lightning
+    base's ``__init__``, then ``_init_distamp``, and supplies its own ``forward_context``
+    (autocast, a policy's context, or none where FSDP casts).
+
+    The Lightning hooks it takes over, in the order a run meets them: ``convert_module``
+    (policy, adaptive rules), ``connect`` (settings agreement, scaler registration, scheduler
+    gate), ``optimizer_step`` (the agreed step), ``clip_gradients`` / ``clip_grad_by_norm`` /
+    ``clip_grad_by_value`` (clipping through the scaler), ``state_dict`` / ``load_state_dict``
+    (checkpoints).
     """
 
     scaler: Any  # Lightning's attribute; `_scaler` is the same object, typed
@@ -124,8 +106,13 @@ class TrainerPrecisionBase(Precision):
 
     # ------------------------------------------------------------------ setup
     def convert_module(self, module: Module) -> Module:
-        """Apply the policy's fp32 modules before the strategy wraps the model, and start its
-        adaptive rules on it (once per model: a second ``fit`` of the same one keeps them)."""
+        """Apply the policy's fp32 modules and start its adaptive rules on the model.
+
+        Why this hook: the strategy calls it on the bare LightningModule before wrapping it
+        (DDP, FSDP), the last moment the policy's fp32 modules can be marked by name and
+        travel into the wrapper. The adaptive rules start once per model: a second ``fit`` of
+        the same one keeps them, another model closes them and starts anew.
+        """
         if self.policy is not None:
             self.policy.apply(module)
             if self.adaptive is not None and self.adaptive.model is not module:
@@ -144,11 +131,15 @@ class TrainerPrecisionBase(Precision):
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[Module, list[Optimizer], list[Any]]:
-        """Register the wrapped model with the scaler and gate the per-step schedulers.
+        """Agree on the settings across ranks, register the wrapped model with the scaler and
+        gate the per-step schedulers.
 
-        Every strategy calls this after wrapping the model and creating the optimizers, with
-        the scheduler configurations it will step, which makes it the one place to swap them
-        without touching Lightning's loops.
+        Why this hook: every strategy calls it after wrapping the model and creating the
+        optimizers, with the scheduler configurations it will step, which makes it the one
+        place to see the wrapped model (FSDP shards count once in clipping) and to swap the
+        schedulers for :class:`~distamp.integrations.lightning.scheduler.SkipAwareScheduler`
+        without touching Lightning's loops. The settings agreement is one collective, so ranks
+        built differently fail here, before training.
         """
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
         agree_plugin_settings(  # one collective: ranks built differently fail before training
@@ -178,7 +169,10 @@ class TrainerPrecisionBase(Precision):
     ) -> Any:
         """Run the closure (forward, backward), the hooks and clipping, then the agreed step.
 
-        Order, as Lightning's own AMP plugin: closure, unscale (see ``unscale``),
+        Why this hook: Lightning hands the precision plug-in the whole step (the closure
+        included), so it is where distamp's scaler replaces torch's: the skip is decided on
+        every rank alike and recorded for the scheduler gate and the metrics. Order, as
+        Lightning's own AMP plugin: closure, unscale (see ``unscale``),
         ``on_before_optimizer_step`` hooks and ``configure_gradient_clipping``, then
         ``scaler.step`` (skipped on every rank when any rank holds an inf/NaN) and
         ``scaler.update``. No host sync for fused optimizers (one ``.item()`` otherwise, in
@@ -251,9 +245,12 @@ class TrainerPrecisionBase(Precision):
     ) -> None:
         """Clip by norm (the scaler's one-pass ``clip_grad_norm_``) or by value (after unscaling).
 
-        Called by ``LightningModule.clip_gradients`` (the default
-        ``configure_gradient_clipping``). Works with fused optimizers: for them the clip
-        coefficient is folded into their own unscale.
+        Why this hook: ``LightningModule.clip_gradients`` (the default
+        ``configure_gradient_clipping``, fed by ``Trainer(gradient_clip_val=...)``) calls it,
+        and Lightning's own plugins refuse it for fused optimizers and FSDP's norm. distamp
+        clips through its scaler instead, also for fused optimizers (the clip coefficient is
+        folded into their own unscale); nothing to clip at a step whose ``training_step``
+        returned ``None``.
         """
         if self._no_clip:
             return
@@ -272,7 +269,13 @@ class TrainerPrecisionBase(Precision):
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         """Unscale and clip to total norm ``clip_val`` over the whole job, in one read pass and
-        one collective (which also carries the overflow flag). No host sync."""
+        one collective (which also carries the overflow flag). No host sync.
+
+        Why this hook: Lightning's version norms with ``torch.nn.utils.clip_grad_norm_``,
+        which does not count FSDP shards and DTensor placements once (and ``FSDPPrecision``
+        refuses it); the scaler's ``clip_grad_norm_`` counts each element once. The norm is
+        kept for :attr:`last_grad_norm` and the metrics.
+        """
         optimizer = _unwrap(optimizer)
         norm = self._clipper.clip_grad_norm_(optimizer, float(clip_val))
         if self._scaler is not None:
@@ -281,7 +284,12 @@ class TrainerPrecisionBase(Precision):
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
         """Unscale (once per step), then clamp every gradient element to ``[-clip_val,
-        clip_val]``. Element-wise, so shards and replicas need no communication."""
+        clip_val]``. Element-wise, so shards and replicas need no communication.
+
+        Why this hook: the clamp must see unscaled values, and an optimizer unscaled twice in
+        one step would be wrong; distamp unscales through its scaler once per optimizer and
+        step, whoever asks first (this hook, ``unscale="before_hooks"``).
+        """
         optimizer = _unwrap(optimizer)
         self._unscale_once(optimizer)
         torch.nn.utils.clip_grad_value_(list(self.main_params(optimizer)), float(clip_val))
@@ -309,142 +317,34 @@ class TrainerPrecisionBase(Precision):
     def metrics_dict(self) -> dict[str, float | int | None]:
         """Loss scale, skipped steps, overflow rate, grad norm and tokens/s of the window since
         the last call (see :class:`~distamp.observe.metrics.AMPMetrics`). Collective: call it on
-        every
-        rank at the same step, e.g. from ``on_train_batch_end`` every N steps."""
+        every rank at the same step, e.g. from ``on_train_batch_end`` every N steps."""
         return self.metrics.compute(self._scaler)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state (scale, trackers, skip counter) and the adaptive run's, saved in
-        Trainer checkpoints under this class's name; empty for bf16 without a policy's rules."""
+        Trainer checkpoints under this class's name; empty for bf16 without a policy's rules.
+
+        Why this hook: the Trainer saves every precision plug-in's ``state_dict`` in its
+        checkpoints; without it a resumed fp16 run would restart at the initial loss scale and
+        lose the adaptive run's promotions.
+        """
         return plugin_state(self._scaler, self.adaptive)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the scaler and replay the adaptive run's changes (the Trainer calls it when
         resuming), both checked first: malformed input raises ``ValueError`` naming the key,
-        and changes nothing."""
+        and changes nothing.
+
+        Why this hook: the Trainer hands back what :meth:`state_dict` saved. Under DDP and on
+        one device it runs after Lightning restored the model's weights, so a refused state
+        leaves them restored:
+        :class:`~distamp.integrations.lightning.resume.DistAMPResumeCheck` refuses it earlier.
+        """
         load_plugin_state(state_dict, self._scaler, self.adaptive)
 
 
-class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
-    """Trainer precision plugin: autocast (or a policy) plus distamp's rank-consistent scaler.
-
-    For single-device, ``DDPStrategy`` and ``ModelParallelStrategy`` runs (use
-    :class:`~distamp.integrations.lightning_fsdp.DistAMPFSDPPrecision` with ``FSDPStrategy``)::
-
-        trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", gradient_clip_val=1.0,
-                          plugins=[DistAMPTrainerPrecision("16-mixed", device="cpu")])
-
-    Pass it instead of ``precision=`` (Lightning refuses both at once).
-
-    Args:
-        precision: ``"16-mixed"`` or ``"bf16-mixed"`` (or any spelling distamp parses:
-            ``"fp16"``, ``torch.float16``...).
-        device: the device type for autocast; ``None``: ``"cuda"`` if available, else
-            ``"cpu"``. Pass ``"cpu"`` for a CPU run on a machine with GPUs.
-        scaler: the fp16 scaler; ``None`` creates a :class:`~distamp.DistributedGradScaler`.
-            Must be ``None`` for bf16 (no loss scaling).
-        policy: an :class:`~distamp.AutocastPolicy`: its fp32 modules are set up in
-            ``convert_module`` and its context replaces bare autocast in the forward pass.
-        unscale: when the gradients are unscaled. ``"before_hooks"``: right after backward, so
-            ``on_before_optimizer_step`` hooks and a custom ``configure_gradient_clipping`` see
-            true gradients (Lightning's contract). ``"at_clip"``: inside the norm clipping, in
-            the same read pass as the norm (fused optimizers: inside their step); hooks then
-            see scaled gradients. ``"auto"`` (default): ``"before_hooks"`` when the
-            LightningModule or a callback overrides one of those hooks, else ``"at_clip"``.
-        gate_schedulers: do not step ``interval="step"`` schedulers after a skipped step.
-        trust_ddp_sync: as in :class:`~distamp.DistAMP`: ``True`` registers the DDP module so
-            the scaler takes no flag collective; off by default, so a gradient changed on one
-            rank after the all-reduce (``on_after_backward`` hooks) is still agreed on.
-
-    Raises:
-        ValueError: a precision other than fp16/bf16, a scaler with bf16, a policy for another
-            precision, or a bad ``unscale``/``gate_schedulers``.
-        TypeError: a scaler that is not a :class:`~distamp.DistributedGradScaler`.
-    """
-
-    def __init__(
-        self,
-        precision: Any = "16-mixed",
-        device: str | None = None,
-        scaler: DistributedGradScaler | None = None,
-        policy: AutocastPolicy | None = None,
-        *,
-        unscale: UnscaleWhen = "auto",
-        gate_schedulers: bool = True,
-        trust_ddp_sync: bool = False,
-    ) -> None:
-        parsed, device, scaler = check_plugin_args(
-            type(self).__name__, precision, device, scaler, policy, unscale, gate_schedulers
-        )
-        self.trust_ddp_sync = bool(trust_ddp_sync)
-        # bf16 with adaptive rules gets a check-only scaler, which Lightning refuses for bf16
-        lightning_scaler = scaler if parsed.needs_scaler else None
-        MixedPrecision.__init__(self, lightning_precision_name(parsed), device, lightning_scaler)
-        self._init_distamp(parsed, device, scaler, policy, unscale, gate_schedulers)
-
-    @contextmanager
-    def forward_context(self) -> Iterator[None]:
-        """The policy's context (autocast plus its fp32 ops) if one was given, else autocast."""
-        ctx = self.policy.autocast(self.device) if self.policy is not None else None
-        with ctx if ctx is not None else self.autocast_context_manager():
-            yield
-
-
 # ---------------------------------------------------------------------------- helpers
-def check_plugin_args(
-    owner: str,
-    precision: Any,
-    device: str | None,
-    scaler: Any,
-    policy: Any,
-    unscale: Any,
-    gate_schedulers: Any,
-) -> tuple[ParsedPrecision, str, DistributedGradScaler | None]:
-    """Validate a Trainer plugin's arguments (``owner`` is the plugin's class name, for the
-    messages) and return ``(precision, device, scaler)``, the scaler created for fp16 when
-    none was given. Shared by both plugins so that they refuse the same things alike.
-
-    Raises:
-        ValueError: a precision other than fp16/bf16, a scaler with bf16, a policy for another
-            precision, or a bad ``unscale``/``gate_schedulers``.
-        TypeError: a scaler that is not a :class:`~distamp.DistributedGradScaler`.
-    """
-    parsed = parse_precision(precision)
-    if parsed.compute_dtype is None:
-        raise ValueError(
-            f"{owner}(precision={precision!r}): this plugin is for mixed precision ('16-mixed' "
-            "or 'bf16-mixed'); for fp32 use the Trainer's default precision"
-        )
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if scaler is not None and not isinstance(scaler, DistributedGradScaler):
-        raise TypeError(
-            f"{owner}(scaler={scaler!r}): pass a distamp.DistributedGradScaler (or None to get "
-            "one); another scaler would let ranks disagree on skips"
-        )
-    if scaler is not None and not parsed.needs_scaler:
-        raise ValueError(
-            f"{owner}(precision={precision!r}, scaler=...): {parsed.name} needs no loss "
-            "scaling; leave scaler=None"
-        )
-    if scaler is None and parsed.needs_scaler:
-        scaler = DistributedGradScaler(device=device)
-    elif scaler is None and getattr(policy, "adaptive", None) is not None:
-        scaler = DistributedGradScaler(device=device, check_only=True)  # drives the rules
-    check_policy_precision(policy, parsed, given=f"{owner}(precision={precision!r})")
-    if unscale not in ("auto", "before_hooks", "at_clip"):
-        raise ValueError(f"{owner}(unscale={unscale!r}): use 'auto', 'before_hooks' or 'at_clip'")
-    if not isinstance(gate_schedulers, bool):
-        raise ValueError(f"{owner}(gate_schedulers={gate_schedulers!r}) must be a bool")
-    return parsed, device, scaler
-
-
-def lightning_precision_name(parsed: ParsedPrecision) -> Literal["16-mixed", "bf16-mixed"]:
-    """The precision string Lightning's own plugin classes take for ``parsed``."""
-    return "16-mixed" if parsed.needs_scaler else "bf16-mixed"
-
-
 def _unwrap(optimizer: Any) -> Any:
     """The torch optimizer inside Lightning's ``LightningOptimizer`` (what ``self.optimizers()``
     returns in manual optimization): the scaler keys its per-step state by the real one."""

@@ -1,6 +1,6 @@
-"""Lightning Fabric with distamp's scaler, policy and metrics, and distamp's launcher detection.
+"""``DistAMPPrecision``: the Lightning Fabric precision plug-in with distamp's scaler, policy and
+metrics (``Fabric(plugins=[DistAMPPrecision()])``).
 
-:class:`DistAMPPrecision` is a Fabric precision plugin (``Fabric(plugins=[DistAMPPrecision()])``).
 It differs from Lightning's own ``MixedPrecision`` where that one falls short in distributed fp16:
 
 - the scaler is a :class:`~distamp.DistributedGradScaler` (ranks agree on every skip, also under
@@ -11,38 +11,26 @@ It differs from Lightning's own ``MixedPrecision`` where that one falls short in
 - :attr:`DistAMPPrecision.step_was_skipped` and :meth:`DistAMPPrecision.metrics_dict` report the
   rank-agreed skip and the loss-scale health without a host sync per step.
 
-:class:`DistAMPEnvironment` is a ``ClusterEnvironment`` (Fabric and Trainer share that class)
-over :func:`distamp.detect_environment`, so Lightning sees the same rank layout as distamp for
-torchrun, SLURM and the MPI launchers.
-
-The Trainer's plugins, :class:`DistAMPTrainerPrecision` and :class:`DistAMPFSDPPrecision`, live in
-:mod:`distamp.integrations.lightning_trainer` and :mod:`distamp.integrations.lightning_fsdp`, and
-are importable from here too, as is the callback :class:`DistAMPResumeCheck`
-(:mod:`distamp.integrations.lightning_resume`: a resumed checkpoint the plug-in refuses is refused
-before Lightning restores the model).
-
-Verified with the releases in :data:`SUPPORTED`; older ones are refused at import, newer ones warn.
+It stands on Fabric's ``MixedPrecision``, not on the Trainer plug-ins' base
+(:class:`~distamp.integrations.lightning.base.TrainerPrecisionBase`): Fabric's precision hooks
+take neither the step's closure nor the schedulers (the user's loop calls the step), and Fabric's
+``Precision`` is a base of the Trainer's, not the other way round.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
-from distamp.integrations import lightning_version
-
-SUPPORTED = lightning_version.SUPPORTED
-"""The Lightning releases this adapter was verified with (see :mod:`distamp.versions`)."""
+from distamp.integrations.lightning import version as lightning_version
 
 LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked the version
 
-from lightning.fabric.plugins.environments import ClusterEnvironment  # noqa: E402
 from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.fabric.utilities import rank_zero_info  # noqa: E402
 
-from distamp.cluster import DistEnv, detect_environment  # noqa: E402
 from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
 from distamp.precision.adaptive_run import (  # noqa: E402
@@ -55,39 +43,7 @@ from distamp.precision.policy import parse_precision  # noqa: E402
 from distamp.precision.requirements import check_policy_precision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
-if TYPE_CHECKING:
-    from distamp.integrations.lightning_fsdp import DistAMPFSDPPrecision
-    from distamp.integrations.lightning_resume import DistAMPResumeCheck
-    from distamp.integrations.lightning_scheduler import SkipAwareScheduler
-    from distamp.integrations.lightning_trainer import DistAMPTrainerPrecision
-
-__all__ = [
-    "LIGHTNING_VERSION",
-    "SUPPORTED",
-    "DistAMPEnvironment",
-    "DistAMPFSDPPrecision",
-    "DistAMPPrecision",
-    "DistAMPResumeCheck",
-    "DistAMPTrainerPrecision",
-    "SkipAwareScheduler",
-]
-
-# The Trainer plugins live in their own modules (they need lightning.pytorch, Fabric does not);
-# they are re-exported here lazily so that importing this module does not import the Trainer.
-_TRAINER_NAMES = {
-    "DistAMPTrainerPrecision": "distamp.integrations.lightning_trainer",
-    "DistAMPFSDPPrecision": "distamp.integrations.lightning_fsdp",
-    "SkipAwareScheduler": "distamp.integrations.lightning_scheduler",
-    "DistAMPResumeCheck": "distamp.integrations.lightning_resume",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _TRAINER_NAMES:
-        import importlib
-
-        return getattr(importlib.import_module(_TRAINER_NAMES[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["LIGHTNING_VERSION", "DistAMPPrecision"]
 
 
 class DistAMPPrecision(MixedPrecision):
@@ -269,92 +225,3 @@ class DistAMPPrecision(MixedPrecision):
         """Restore the scaler and replay the adaptive run's changes, both checked first (a
         refused state changes nothing)."""
         load_plugin_state(state_dict, self.scaler, self.adaptive)
-
-
-class DistAMPEnvironment(ClusterEnvironment):
-    """A Lightning ``ClusterEnvironment`` that reads the job layout with distamp's detection.
-
-    Lightning has one environment class per launcher, each with its own reading of the
-    variables; this one delegates to :func:`distamp.detect_environment`, so a job gets the
-    same ranks (and the same node-rank rules, e.g. for Open MPI) in distamp and in Lightning.
-    Passed in ``plugins=`` (also for one process), it spares the job Lightning's own detection,
-    whose MPI environment imports ``mpi4py.MPI``: where mpi4py is installed but no MPI library
-    is, that raises ``RuntimeError: cannot load MPI library`` while the Trainer or Fabric is
-    being built (Lightning catches only ``ImportError``). distamp's detection loads no MPI.
-
-    Args:
-        env: the variables to read (default: ``os.environ`` at construction).
-    """
-
-    def __init__(self, env: Any = None) -> None:
-        super().__init__()
-        self._env: DistEnv = detect_environment(env)
-        self._rank = self._env.rank
-        self._world = self._env.world_size
-
-    @property
-    def dist_env(self) -> DistEnv:
-        """What :func:`distamp.detect_environment` found."""
-        return self._env
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        """True under any launcher (torchrun, srun, mpirun): Lightning must not spawn more."""
-        return self._env.is_distributed
-
-    @property
-    def main_address(self) -> str:
-        if self._env.main_address is not None:
-            return self._env.main_address
-        if self._env.num_nodes in (None, 1) and self._env.local_world_size == self._world:
-            return "127.0.0.1"  # one node: loopback is right
-        raise ValueError(
-            f"{self._env.launcher} gave no main address for a multi-node job: export "
-            "MASTER_ADDR (and MASTER_PORT), or start with `distamp launch`"
-        )
-
-    @property
-    def main_port(self) -> int:
-        if self._env.main_port is not None:
-            return self._env.main_port
-        if not self._env.is_distributed:
-            return 29500  # a single process binds no port that others need to agree on
-        raise ValueError(
-            f"{self._env.launcher} gave no main port: export MASTER_PORT (the same on all ranks)"
-        )
-
-    @staticmethod
-    def detect() -> bool:
-        """True when a launcher started this process (``detect_environment`` is not single)."""
-        return detect_environment().is_distributed
-
-    def world_size(self) -> int:
-        return self._world
-
-    def set_world_size(self, size: int) -> None:
-        if size != self._world:
-            raise ValueError(
-                f"Lightning asked for world size {size}, but {self._env.launcher} started "
-                f"{self._world} processes: make devices x num_nodes match the launch"
-            )
-
-    def global_rank(self) -> int:
-        return self._rank
-
-    def set_global_rank(self, rank: int) -> None:
-        if rank != self._rank:
-            raise ValueError(
-                f"Lightning computed global rank {rank}, but {self._env.launcher} says "
-                f"{self._rank}: make devices/num_nodes match the launch"
-            )
-
-    def local_rank(self) -> int:
-        return self._env.local_rank
-
-    def node_rank(self) -> int:
-        if self._env.node_rank is None:
-            raise ValueError(
-                f"{self._env.launcher} did not say which node this is and it cannot be derived "
-                "(uneven processes per node): set NODE_RANK or GROUP_RANK"
-            )
-        return self._env.node_rank

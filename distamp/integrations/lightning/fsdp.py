@@ -2,7 +2,7 @@
 
 ``FSDPStrategy`` accepts only ``FSDPPrecision`` instances (its ``precision_plugin`` setter raises
 ``TypeError`` for anything else), so this class puts the shared Trainer logic of
-:mod:`distamp.integrations.lightning_trainer` in front of ``FSDPPrecision``.
+:class:`~distamp.integrations.lightning.base.TrainerPrecisionBase` in front of ``FSDPPrecision``.
 
 Where it runs: Lightning 2.6 lets ``FSDPStrategy`` run with CUDA accelerators only
 (``_AcceleratorConnector._check_strategy_and_fallback`` raises "requires a GPU accelerator" when
@@ -19,18 +19,18 @@ from typing import Any
 
 import torch
 
-from distamp.integrations import lightning_version
+from distamp.integrations.lightning import version as lightning_version
 
 LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked the version
 
 from lightning.pytorch.plugins.precision import FSDPPrecision  # noqa: E402
 
-from distamp.integrations.lightning_trainer import (  # noqa: E402
-    TrainerPrecisionBase,
+from distamp.integrations.lightning.arguments import (  # noqa: E402
     UnscaleWhen,
     check_plugin_args,
     lightning_precision_name,
 )
+from distamp.integrations.lightning.base import TrainerPrecisionBase  # noqa: E402
 from distamp.parallel.fsdp import fsdp1_mixed_precision  # noqa: E402
 from distamp.precision.policy import AutocastPolicy, select_mp_owner  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
@@ -44,7 +44,7 @@ class DistAMPFSDPPrecision(TrainerPrecisionBase, FSDPPrecision):
     Lightning's ``FSDPPrecision("16-mixed")`` uses torch's ``ShardedGradScaler``, whose skip
     decision can differ between ranks (fused optimizers), casts with autocast on CUDA only,
     reduces gradients in fp16 and refuses norm clipping. This one keeps the guarantees of
-    :class:`~distamp.integrations.lightning_trainer.DistAMPTrainerPrecision`, clips by norm
+    :class:`~distamp.integrations.lightning.trainer.DistAMPTrainerPrecision`, clips by norm
     counting every shard once, and leaves casting to distamp's selector
     (:func:`distamp.precision.policy.select_mp_owner`): on CUDA, FSDP's ``MixedPrecision`` gathers
     parameters in the compute dtype and reduces gradients in fp32; on CPU, or with a policy,
@@ -53,7 +53,7 @@ class DistAMPFSDPPrecision(TrainerPrecisionBase, FSDPPrecision):
     Lightning (2.6) lets ``FSDPStrategy`` run with CUDA accelerators only: its accelerator
     connector raises "requires a GPU accelerator" otherwise.
 
-    Args: as :class:`~distamp.integrations.lightning_trainer.DistAMPTrainerPrecision`.
+    Args: as :class:`~distamp.integrations.lightning.trainer.DistAMPTrainerPrecision`.
     """
 
     def __init__(

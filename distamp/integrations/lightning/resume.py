@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distamp.integrations import lightning_version
+from distamp.integrations.lightning import version as lightning_version
 
 LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked the version
 

@@ -4,9 +4,10 @@ Lightning's Trainer steps every ``interval="step"`` scheduler after every optimi
 *called*, whether or not the loss scaler then skipped it for inf/NaN gradients, so a run with
 overflows decays its learning rate ahead of the weights (Lightning issues 5558, 16228, 18828,
 21339). :class:`SkipAwareScheduler` wraps such a scheduler: its ``step()`` is passed through only
-when the scheduler's optimizer stepped. The precision plugins of
-:mod:`distamp.integrations.lightning_trainer` install it through ``Precision.connect``, the hook
-every Lightning strategy calls with the scheduler configurations, so no Lightning code is patched.
+when the scheduler's optimizer stepped. The Trainer precision plug-ins install it through
+``Precision.connect`` (:meth:`~distamp.integrations.lightning.base.TrainerPrecisionBase.connect`),
+the hook every Lightning strategy calls with the scheduler configurations, so no Lightning code is
+patched.
 
 Checkpoints are unchanged: ``state_dict``/``load_state_dict`` are the wrapped scheduler's own,
 so a checkpoint written with the wrapper loads without it and the other way round.

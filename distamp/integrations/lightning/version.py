@@ -1,8 +1,8 @@
-"""The Lightning version check shared by the Fabric and Trainer adapters.
+"""The Lightning version check shared by every module of the Lightning adapter.
 
-Its own module so that :mod:`distamp.integrations.lightning` (Fabric, and the lazy re-exports of
-the Trainer plugins) and the Trainer plugins' modules all import the check from here, not from
-one another.
+Its own module so that the package (Fabric, and the lazy re-exports of the Trainer plug-ins) and
+the Trainer plug-ins' modules all import the check from here, not from one another. Importing it
+raises ``ImportError`` (with the install command) when Lightning is missing or too old.
 """
 
 from __future__ import annotations

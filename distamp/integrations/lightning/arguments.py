@@ -1,0 +1,76 @@
+"""The Trainer plug-ins' argument checks, shared so that both refuse the same things alike.
+
+:class:`~distamp.integrations.lightning.trainer.DistAMPTrainerPrecision` and
+:class:`~distamp.integrations.lightning.fsdp.DistAMPFSDPPrecision` take the same arguments and
+put them in front of different Lightning classes; each validates them here before calling its
+Lightning base's ``__init__``, so that a refused call builds nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from distamp.precision.policy import Precision as ParsedPrecision
+from distamp.precision.policy import parse_precision
+from distamp.precision.requirements import check_policy_precision
+from distamp.scaler import DistributedGradScaler
+
+__all__ = ["UnscaleWhen", "check_plugin_args", "lightning_precision_name"]
+
+UnscaleWhen = Literal["auto", "before_hooks", "at_clip"]
+"""When the Trainer plug-ins unscale gradients (their ``unscale`` argument)."""
+
+
+def check_plugin_args(
+    owner: str,
+    precision: Any,
+    device: str | None,
+    scaler: Any,
+    policy: Any,
+    unscale: Any,
+    gate_schedulers: Any,
+) -> tuple[ParsedPrecision, str, DistributedGradScaler | None]:
+    """Validate a Trainer plugin's arguments (``owner`` is the plugin's class name, for the
+    messages) and return ``(precision, device, scaler)``, the scaler created for fp16 when
+    none was given. Shared by both plugins so that they refuse the same things alike.
+
+    Raises:
+        ValueError: a precision other than fp16/bf16, a scaler with bf16, a policy for another
+            precision, or a bad ``unscale``/``gate_schedulers``.
+        TypeError: a scaler that is not a :class:`~distamp.DistributedGradScaler`.
+    """
+    parsed = parse_precision(precision)
+    if parsed.compute_dtype is None:
+        raise ValueError(
+            f"{owner}(precision={precision!r}): this plugin is for mixed precision ('16-mixed' "
+            "or 'bf16-mixed'); for fp32 use the Trainer's default precision"
+        )
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if scaler is not None and not isinstance(scaler, DistributedGradScaler):
+        raise TypeError(
+            f"{owner}(scaler={scaler!r}): pass a distamp.DistributedGradScaler (or None to get "
+            "one); another scaler would let ranks disagree on skips"
+        )
+    if scaler is not None and not parsed.needs_scaler:
+        raise ValueError(
+            f"{owner}(precision={precision!r}, scaler=...): {parsed.name} needs no loss "
+            "scaling; leave scaler=None"
+        )
+    if scaler is None and parsed.needs_scaler:
+        scaler = DistributedGradScaler(device=device)
+    elif scaler is None and getattr(policy, "adaptive", None) is not None:
+        scaler = DistributedGradScaler(device=device, check_only=True)  # drives the rules
+    check_policy_precision(policy, parsed, given=f"{owner}(precision={precision!r})")
+    if unscale not in ("auto", "before_hooks", "at_clip"):
+        raise ValueError(f"{owner}(unscale={unscale!r}): use 'auto', 'before_hooks' or 'at_clip'")
+    if not isinstance(gate_schedulers, bool):
+        raise ValueError(f"{owner}(gate_schedulers={gate_schedulers!r}) must be a bool")
+    return parsed, device, scaler
+
+
+def lightning_precision_name(parsed: ParsedPrecision) -> Literal["16-mixed", "bf16-mixed"]:
+    """The precision string Lightning's own plugin classes take for ``parsed``."""
+    return "16-mixed" if parsed.needs_scaler else "bf16-mixed"
