@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from distamp.integrations.lightning import version as lightning_version
 
@@ -105,6 +106,7 @@ class TrainerPrecisionBase(Precision):
         """The norm returned by the last norm clipping (0-dim tensor, unscaled, no host sync)."""
 
     # ------------------------------------------------------------------ setup
+    @override
     def convert_module(self, module: Module) -> Module:
         """Apply the policy's fp32 modules and start its adaptive rules on the model.
 
@@ -128,6 +130,7 @@ class TrainerPrecisionBase(Precision):
                 )
         return super().convert_module(module)
 
+    @override
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[Module, list[Optimizer], list[Any]]:
@@ -160,6 +163,7 @@ class TrainerPrecisionBase(Precision):
         return model, optimizers, lr_schedulers
 
     # ------------------------------------------------------------------ the step
+    @override
     def optimizer_step(  # type: ignore[override]
         self,
         optimizer: Any,
@@ -237,6 +241,7 @@ class TrainerPrecisionBase(Precision):
         return flag is not None and bool(flag)
 
     # ------------------------------------------------------------------ clipping
+    @override
     def clip_gradients(
         self,
         optimizer: Any,
@@ -267,6 +272,7 @@ class TrainerPrecisionBase(Precision):
                 f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'"
             )
 
+    @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         """Unscale and clip to total norm ``clip_val`` over the whole job, in one read pass and
         one collective (which also carries the overflow flag). No host sync.
@@ -282,6 +288,7 @@ class TrainerPrecisionBase(Precision):
             self._unscaled.add(id(optimizer))
         self.last_grad_norm = self._pending_norm = norm.detach()
 
+    @override
     def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
         """Unscale (once per step), then clamp every gradient element to ``[-clip_val,
         clip_val]``. Element-wise, so shards and replicas need no communication.
@@ -321,6 +328,7 @@ class TrainerPrecisionBase(Precision):
         return self.metrics.compute(self._scaler)
 
     # ------------------------------------------------------------------ state
+    @override
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state (scale, trackers, skip counter) and the adaptive run's, saved in
         Trainer checkpoints under this class's name; empty for bf16 without a policy's rules.
@@ -331,6 +339,7 @@ class TrainerPrecisionBase(Precision):
         """
         return plugin_state(self._scaler, self.adaptive)
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the scaler and replay the adaptive run's changes (the Trainer calls it when
         resuming), both checked first: malformed input raises ``ValueError`` naming the key,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from typing_extensions import override
+
 from distamp.integrations.lightning import version as lightning_version
 
 LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked the version
@@ -45,11 +47,13 @@ class DistAMPEnvironment(ClusterEnvironment):
         return self._env
 
     @property
+    @override
     def creates_processes_externally(self) -> bool:
         """True under any launcher (torchrun, srun, mpirun): Lightning must not spawn more."""
         return self._env.is_distributed
 
     @property
+    @override
     def main_address(self) -> str:
         if self._env.main_address is not None:
             return self._env.main_address
@@ -61,6 +65,7 @@ class DistAMPEnvironment(ClusterEnvironment):
         )
 
     @property
+    @override
     def main_port(self) -> int:
         if self._env.main_port is not None:
             return self._env.main_port
@@ -71,13 +76,16 @@ class DistAMPEnvironment(ClusterEnvironment):
         )
 
     @staticmethod
+    @override
     def detect() -> bool:
         """True when a launcher started this process (``detect_environment`` is not single)."""
         return detect_environment().is_distributed
 
+    @override
     def world_size(self) -> int:
         return self._world
 
+    @override
     def set_world_size(self, size: int) -> None:
         if size != self._world:
             raise ValueError(
@@ -85,9 +93,11 @@ class DistAMPEnvironment(ClusterEnvironment):
                 f"{self._world} processes: make devices x num_nodes match the launch"
             )
 
+    @override
     def global_rank(self) -> int:
         return self._rank
 
+    @override
     def set_global_rank(self, rank: int) -> None:
         if rank != self._rank:
             raise ValueError(
@@ -95,9 +105,11 @@ class DistAMPEnvironment(ClusterEnvironment):
                 f"{self._rank}: make devices/num_nodes match the launch"
             )
 
+    @override
     def local_rank(self) -> int:
         return self._env.local_rank
 
+    @override
     def node_rank(self) -> int:
         if self._env.node_rank is None:
             raise ValueError(

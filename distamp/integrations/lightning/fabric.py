@@ -23,6 +23,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import torch
+from typing_extensions import override
 
 from distamp.integrations.lightning import version as lightning_version
 
@@ -114,6 +115,7 @@ class DistAMPPrecision(MixedPrecision):
         self._skipped: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ forward
+    @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Apply the policy's fp32 modules and start its adaptive rules (before the strategy
         wraps the model)."""
@@ -138,12 +140,14 @@ class DistAMPPrecision(MixedPrecision):
         )
         return super().convert_module(module)
 
+    @override
     def forward_context(self) -> AbstractContextManager[Any]:
         """The policy's context (autocast plus fp32 ops) if one was given, else autocast."""
         if self.policy is not None:
             return self.policy.autocast(self.device)  # type: ignore[no-any-return]
         return super().forward_context()
 
+    @override
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
         """Register the DDP module (once) when ``trust_ddp_sync=True``: only now is it built."""
         ddp = isinstance(module, torch.nn.parallel.DistributedDataParallel)
@@ -155,6 +159,7 @@ class DistAMPPrecision(MixedPrecision):
         return super().pre_backward(tensor, module)
 
     # ------------------------------------------------------------------ step
+    @override
     def unscale_gradients(self, optimizer: Any) -> None:
         """Unscale in place (before reading gradient values). Unlike Lightning's plugin this
         also works for fused optimizers: the scaler then tells their step not to unscale again."""
@@ -185,6 +190,7 @@ class DistAMPPrecision(MixedPrecision):
         self._last_norm = norm.detach()
         return norm
 
+    @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step (skipped on every rank if any rank saw inf/NaN), update the scale, record."""
         out = super().optimizer_step(optimizer, **kwargs)
@@ -216,11 +222,13 @@ class DistAMPPrecision(MixedPrecision):
             out.update(change_metrics(self.adaptive.take_changes("metrics")))
         return out
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state and the adaptive run's (Fabric saves it when the plugin is in
         the state passed to ``fabric.save``)."""
         return plugin_state(self.scaler, self.adaptive)
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the scaler and replay the adaptive run's changes, both checked first (a
         refused state changes nothing)."""

@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from distamp.integrations.lightning import version as lightning_version
 
@@ -82,12 +83,14 @@ class DistAMPFSDPPrecision(TrainerPrecisionBase, FSDPPrecision):
         )
 
     @property
+    @override
     def mixed_precision_config(self) -> Any:
         """FSDP's ``MixedPrecision`` when FSDP casts (CUDA, no policy), else ``None``."""
         if self._mp_owner != "fsdp" or self._parsed.compute_dtype is None:
             return None
         return fsdp1_mixed_precision(self._parsed.compute_dtype)
 
+    @override
     def forward_context(self) -> AbstractContextManager[Any]:
         """Policy context, else autocast on ``device`` unless FSDP's policy casts."""
         if self.policy is not None:

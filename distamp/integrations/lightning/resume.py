@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from typing_extensions import override
+
 from distamp.integrations.lightning import version as lightning_version
 
 LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked the version
@@ -71,11 +73,13 @@ class _CheckingIO(CheckpointIO):
     def __init__(self, inner: CheckpointIO, trainer: pl.Trainer) -> None:
         self.inner, self.trainer = inner, trainer
 
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
+    @override
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
@@ -85,9 +89,11 @@ class _CheckingIO(CheckpointIO):
         check_trainer_checkpoint(self.trainer.precision_plugin, checkpoint, path)
         return checkpoint
 
+    @override
     def remove_checkpoint(self, path: Any) -> None:
         self.inner.remove_checkpoint(path)
 
+    @override
     def teardown(self) -> None:
         self.inner.teardown()
 
@@ -104,12 +110,14 @@ class DistAMPResumeCheck(Callback):  # type: ignore[misc]
     weights by then.
     """
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Put the check around the strategy's checkpoint IO (before Lightning restores)."""
         io = trainer.strategy.checkpoint_io
         if not isinstance(io, _CheckingIO):
             trainer.strategy.checkpoint_io = _CheckingIO(io, trainer)
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Give the strategy its own checkpoint IO back."""
         io = trainer.strategy.checkpoint_io

@@ -37,6 +37,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from typing_extensions import override
+
 from distamp.integrations.lightning import version as lightning_version
 
 LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked the version
@@ -112,6 +114,7 @@ class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
         MixedPrecision.__init__(self, lightning_precision_name(parsed), device, lightning_scaler)
         self._init_distamp(parsed, device, scaler, policy, unscale, gate_schedulers)
 
+    @override
     @contextmanager
     def forward_context(self) -> Iterator[None]:
         """The policy's context (autocast plus its fp32 ops) if one was given, else autocast."""
