@@ -174,3 +174,16 @@ def test_bad_arguments() -> None:
         AutocastPolicy("bf16", fp32_ops="softmax")
     with pytest.raises(ValueError, match="precision"):
         AutocastPolicy("fp4")
+
+
+def test_short_form_names_the_precision_and_what_differs() -> None:
+    """Messages show a policy in short: its precision and only the settings off their
+    defaults, in a fixed order (the full repr lists every fp32 module and op)."""
+    assert AutocastPolicy("fp16").short() == "AutocastPolicy('fp16')"
+    assert AutocastPolicy("bf16", reduce_dtype=torch.bfloat16).short() == (
+        "AutocastPolicy('bf16'; reduce_dtype)"
+    )
+    custom = AutocastPolicy("fp16", fp32_modules=["head"], cast_inputs=False, backward_scales=True)
+    assert custom.short() == "AutocastPolicy('fp16'; fp32_modules, cast_inputs, backward_scales)"
+    assert AutocastPolicy("fp8", fp8_min_features=64).short() == "AutocastPolicy('fp8'; fp8)"
+    assert len(custom.short()) < len(repr(custom))

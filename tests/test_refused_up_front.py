@@ -53,8 +53,10 @@ def test_fabric_plugin_refuses_a_policy_of_another_precision() -> None:
     pytest.importorskip("lightning", reason="needs distamp[lightning]")
     from distamp.integrations.lightning import DistAMPPrecision
 
-    with pytest.raises(ValueError, match=r"policy is for fp16.*no loss scaling.*same precision"):
-        DistAMPPrecision("bf16-mixed", device="cpu", policy=AutocastPolicy("fp16"))
+    with pytest.raises(ValueError, match=r"^the policy is for fp16.*same precision.*no loss") as e:
+        DistAMPPrecision("bf16-mixed", device="cpu", policy=AutocastPolicy("fp16", adaptive=True))
+    # the cause first, the policy in short at the end (its precision and what differs)
+    assert str(e.value).endswith("policy: AutocastPolicy('fp16'; adaptive))"), str(e.value)
     DistAMPPrecision("bf16-mixed", device="cpu", policy=AutocastPolicy("bf16"))  # agrees
 
 

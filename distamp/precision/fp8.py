@@ -321,7 +321,10 @@ def convert_for_fp8(
     if isinstance(policy, str):
         policy = AutocastPolicy(policy)
     if policy.fp8 is None:
-        raise ValueError(f"convert_for_fp8: {policy!r} is not an fp8 policy")
+        raise ValueError(
+            f"convert_for_fp8: not an fp8 policy: pass AutocastPolicy('fp8', ...) or 'fp8' "
+            f"(got {policy.short()})"
+        )
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")

@@ -107,6 +107,9 @@ class Fp8Policy(Protocol):
     def fp32_modules_of(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The ``(name, module)`` pairs of ``model`` that run in fp32, outermost only."""
 
+    def short(self) -> str:
+        """The policy in a few words, for messages."""
+
 
 def plan_linears(model: nn.Module, policy: Fp8Policy) -> list[LinearChoice]:
     """Decide, for every ``nn.Linear`` of ``model``, whether it runs in fp8 (no torchao needed).
@@ -123,7 +126,9 @@ def plan_linears(model: nn.Module, policy: Fp8Policy) -> list[LinearChoice]:
     """
     settings = policy.fp8
     if settings is None:
-        raise ValueError(f"{policy!r} is not an fp8 policy: pass AutocastPolicy('fp8', ...)")
+        raise ValueError(
+            f"not an fp8 policy: pass AutocastPolicy('fp8', ...) (got {policy.short()})"
+        )
     islands: dict[int, str] = {}
     for name, module in policy.fp32_modules_of(model):
         for sub in module.modules():

@@ -312,6 +312,27 @@ class AutocastPolicy:
             f"fp32_ops=<{len(self.fp32_ops)} ops>, cast_inputs={self.cast_inputs}{fp8})"
         )
 
+    def short(self) -> str:
+        """The policy in a few words, for messages: its precision and the settings that differ
+        from the defaults (``AutocastPolicy('fp16')``, ``AutocastPolicy('bf16'; fp32_modules,
+        adaptive)``), so that an error leads with its cause instead of the whole repr."""
+        defaults = AutocastPolicy(self.precision.name)
+        differs = [
+            name
+            for name, mine, default in (
+                ("fp32_modules", self.fp32_modules, defaults.fp32_modules),
+                ("fp32_ops", self.fp32_ops, defaults.fp32_ops),
+                ("cast_inputs", self.cast_inputs, defaults.cast_inputs),
+                ("reduce_dtype", self.reduce_dtype, defaults.reduce_dtype),
+                ("fp8", self.fp8, defaults.fp8),
+                ("adaptive", self.adaptive is not None, False),
+                ("backward_scales", self.backward_scales is not None, False),
+            )
+            if mine != default
+        ]
+        more = f"; {', '.join(differs)}" if differs else ""
+        return f"AutocastPolicy({self.precision.name!r}{more})"
+
     @property
     def compute_dtype(self) -> torch.dtype | None:
         return self.precision.compute_dtype

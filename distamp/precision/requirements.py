@@ -47,9 +47,10 @@ def check_policy_precision(policy: Any, precision: Precision, *, given: str) -> 
         effect = "fp16 compute with no loss scaling: small gradients would flush to zero unseen"
     else:
         effect = f"{own.name} compute, while the scaler and the checkpoints are set for {precision}"
+    short = policy.short() if hasattr(policy, "short") else type(policy).__name__
     raise ValueError(
-        f"policy={policy!r}: the policy is for {own.name}, but {given} trains in {precision} "
-        f"(its autocast would give {effect}); pass the same precision to both"
+        f"the policy is for {own.name}, but {given} trains in {precision.name}: pass the same "
+        f"precision to both (its autocast would give {effect}; policy: {short})"
     )
 
 
