@@ -24,12 +24,15 @@ from distamp.cluster import (
 from distamp.deploy import export
 from distamp.engine import DistAMP
 from distamp.engine.checkpoint import CheckpointError
-from distamp.observe.metrics import StepResult
+from distamp.engine.config import check_settings
+from distamp.observe.metrics import StepResult, WindowStats
 from distamp.observe.writers import ProgressPrinter, make_writer
-from distamp.parallel.recompute import apply_activation_checkpointing, compile_blocks
+from distamp.parallel.recompute import AC_MODES, apply_activation_checkpointing, compile_blocks
+from distamp.parallel.strategies import COMM_HOOKS, STRATEGIES
 from distamp.precision.adaptive import AdaptiveRules, PrecisionChange
 from distamp.precision.audit import audit
 from distamp.precision.backward_scales import BackwardScaleChange, BackwardScaleRules
+from distamp.precision.fp8_select import FP8_RECIPES
 from distamp.precision.policy import AutocastPolicy, parse_precision
 from distamp.scaler import DistributedGradScaler, ScalerStateError, ScaleUnderflowError
 
@@ -40,7 +43,13 @@ __all__ = [
     "DistributedGradScaler",
     "StepResult",
     "audit",
+    "check_settings",
     "parse_precision",
+    # the values DistAMP's and the helpers' string arguments take (for argument parsers)
+    "AC_MODES",
+    "COMM_HOOKS",
+    "FP8_RECIPES",
+    "STRATEGIES",
     # the memory recipe: activation checkpointing and torch.compile per block
     "apply_activation_checkpointing",
     "compile_blocks",
@@ -59,6 +68,7 @@ __all__ = [
     "shutdown_distributed",
     # metrics
     "ProgressPrinter",
+    "WindowStats",
     "make_writer",
     # errors
     "CheckpointError",

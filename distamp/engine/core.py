@@ -33,8 +33,10 @@ from distamp.cluster import (
 )
 from distamp.engine.accounting import MicroBatchCycle, SkipReports, release_grads
 from distamp.engine.checkpoint import apply_checkpoint, read_checkpoint, save_checkpoint
-from distamp.engine.config import (
-    AMPConfig,
+from distamp.engine.config import AMPConfig, make_config, make_scaler, training_device
+from distamp.engine.loop import RunLoop, pipeline_stages
+from distamp.engine.resume import check_resume
+from distamp.engine.setup_checks import (
     OptimizerArg,
     SchedulerArg,
     built_optimizer,
@@ -42,12 +44,7 @@ from distamp.engine.config import (
     check_model,
     check_setup,
     checked_scheduler,
-    make_config,
-    make_scaler,
-    training_device,
 )
-from distamp.engine.loop import RunLoop, pipeline_stages
-from distamp.engine.resume import check_resume
 from distamp.observe.diagnostics import NonFiniteTracer
 from distamp.observe.metrics import Metrics, StepResult
 from distamp.observe.numerics import NumericStats
