@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from distamp.versions import WINDOWS, check_version
 
@@ -96,6 +97,7 @@ class DistAMPOptimizer(AcceleratedOptimizer):
         accumulation micro-step); the accelerator counts its metrics window with it."""
         self._distamp_after_step = callback
 
+    @override
     def step(self, closure: Any = None) -> None:
         super().step(closure)
         scaler = self.scaler
@@ -205,6 +207,7 @@ class DistAMPAccelerator(Accelerator):
         )
 
     # ------------------------------------------------------------------ preparing
+    @override
     def prepare_model(
         self,
         model: torch.nn.Module,
@@ -242,6 +245,7 @@ class DistAMPAccelerator(Accelerator):
             self.scaler.register_module(prepared, trust_ddp_sync=self.trust_ddp_sync)
         return prepared
 
+    @override
     def prepare_optimizer(
         self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
     ) -> Any:
@@ -256,6 +260,7 @@ class DistAMPAccelerator(Accelerator):
         return wrapped
 
     # ------------------------------------------------------------------ the step
+    @override
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
     ) -> Any:
@@ -358,6 +363,7 @@ class DistAMPAccelerator(Accelerator):
         except Exception as exc:  # unreadable, or a value the scaler refuses
             raise ValueError(f"checkpoint file {path}: {exc}; nothing was loaded") from None
 
+    @override
     def load_state(
         self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
     ) -> Any:
@@ -375,6 +381,7 @@ class DistAMPAccelerator(Accelerator):
             self.adaptive.load_state_dict(self._pending_adaptive)  # promotions replayed
         return out
 
+    @override
     def save_state(
         self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any
     ) -> str:

@@ -49,6 +49,8 @@ import inspect
 import os
 from typing import Any, TypeVar
 
+from typing_extensions import override
+
 from distamp.versions import WINDOWS, check_version
 
 SUPPORTED = WINDOWS["transformers"]
@@ -194,11 +196,13 @@ class _AdaptiveCheckpoints(TrainerCallback):  # type: ignore[misc]
     def __init__(self, trainer: DistAMPTrainerMixin) -> None:
         self.trainer = trainer
 
+    @override
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         folder = self.trainer.resume_checkpoint
         if folder is not None:
             self.trainer.accelerator.load_adaptive(folder)
 
+    @override
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         self.trainer.accelerator.save_adaptive(folder)  # on every rank: it ends in a barrier

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from distamp.precision.casts import LOW_PRECISION
 from distamp.precision.fp8_select import LinearChoice, plan_linears
@@ -144,6 +145,7 @@ class _OpRecorder(TorchDispatchMode):
         super().__init__()
         self.stack = stack
 
+    @override
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:

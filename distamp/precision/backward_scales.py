@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
 
 from distamp.arguments import ArgumentTypeError
 from distamp.observe.numerics import FORMAT_MAX, NumericStats
@@ -153,11 +154,13 @@ class _Leave(torch.autograd.Function):
     forbids on a custom function's view. Only blocks with ``k != 0`` pay it."""
 
     @staticmethod
+    @override
     def forward(ctx: Any, x: torch.Tensor, factor: float) -> Any:
         ctx.factor = factor
         return x.clone()
 
     @staticmethod
+    @override
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         return grad * ctx.factor, None
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from distamp.precision.regions import region_of, release_region
 
@@ -108,10 +109,12 @@ class _PlainGrad(torch.autograd.Function):
     which the bf16 linear's own backward needs."""
 
     @staticmethod
+    @override
     def forward(ctx: Any, out: torch.Tensor) -> torch.Tensor:
         return out.view_as(out)
 
     @staticmethod
+    @override
     def backward(ctx: Any, grad: Any) -> Any:
         if not is_float8(grad):
             return grad

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from typing_extensions import override
 
 from distamp.precision.casts import to_fp32
 
@@ -110,15 +111,18 @@ class Fp32Ops(TorchFunctionMode):
         self.narrow = narrow
         self.depth = 0
 
+    @override
     def __enter__(self) -> Fp32Ops:
         self.depth += 1
         super().__enter__()
         return self
 
+    @override
     def __exit__(self, *exc: Any) -> None:
         self.depth -= 1
         super().__exit__(*exc)
 
+    @override
     def __torch_function__(
         self,
         func: Callable[..., Any],
