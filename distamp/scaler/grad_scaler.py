@@ -12,11 +12,18 @@ then runs on identical numbers on every rank.
 
 Beyond torch it adds hysteresis, min/max scale, one-pass clipping whose norm counts every element
 of the job once, skip reporting without host syncs, and a ``state_dict`` that carries all of it.
+
+This module is the state machine (unscale -> step -> update, and the order each call checks); its
+bases hold what surrounds it: scaling the loss (:mod:`~distamp.scaler.loss_scaling`), torch's
+private members answered from the agreement (:mod:`~distamp.scaler.torch_protocol`), the
+agreement's ranks and registered modules (:mod:`~distamp.scaler.registration`), the checked
+setters (:mod:`~distamp.scaler.settings`), reporting and state_dict
+(:mod:`~distamp.scaler.reporting`); how each kind of optimizer is gated is
+:mod:`~distamp.scaler.sync_free`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -26,19 +33,23 @@ from distamp.agreement.replicas import ReplicaCommit
 from distamp.observe.diagnostics import NonFiniteTracer, OverflowRecorder
 from distamp.scaler.clipping import check_clip_args, clip_step_grads_
 from distamp.scaler.config import check_device, check_new_scale, check_scaler_args
-from distamp.scaler.grad_groups import check_groups_
+from distamp.scaler.loss_scaling import LossScaling
 from distamp.scaler.records import OptimizerStep, ScalerStateError, StepAgreement, reciprocal
+from distamp.scaler.registration import ScalerRegistration
 from distamp.scaler.reporting import ScalerReporting
 from distamp.scaler.scale_state import ScaleState, ScaleUnderflowError
 from distamp.scaler.scale_update import RuleCache, ScaleRule, update_scale_
 from distamp.scaler.settings import ScalerSettings
-from distamp.scaler.sync_free import fused_step, grad_scaler_step, masked_step, takes_grad_scaler
+from distamp.scaler.sync_free import gated_step, grad_scaler_step, takes_grad_scaler
+from distamp.scaler.torch_protocol import TorchProtocol
 from distamp.torch_compat import OptState, takes_grad_scale
 
 __all__ = ["DistributedGradScaler", "OptimizerStep", "ScaleUnderflowError", "ScalerStateError"]
 
 
-class DistributedGradScaler(ScalerSettings, ScalerReporting):
+class DistributedGradScaler(
+    LossScaling, TorchProtocol, ScalerRegistration, ScalerSettings, ScalerReporting
+):
     """Drop-in for :class:`torch.amp.GradScaler` that never lets ranks disagree on a skip.
 
     The canonical loop is torch's, unchanged::
@@ -142,34 +153,12 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
         self._overflow = OverflowRecorder(lazy=not sync_free) if report_overflow else None
         self._tracer: NonFiniteTracer | None = None
 
-    @property
-    def _per_optimizer_states(self) -> dict[int, Any]:  # type: ignore[override]
-        """torch's per-optimizer state (its code and drop-in code read it): this iteration's
-        records, kept by the step agreement."""
-        return self._steps.records
-
-    @_per_optimizer_states.setter
-    def _per_optimizer_states(self, value: dict[int, Any]) -> None:
-        # torch's __init__ and update(new_scale) assign an empty dict to start an iteration.
-        self._steps.new_iteration()
-        self._steps.records.update(value)
-
-    @property
-    def collectives_issued(self) -> int:
-        """How many found_inf collectives this scaler issued (clips included)."""
-        return self._steps.collectives_issued
-
     # ------------------------------------------------------------------ lazily created state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         on_host = self._steps.host_decisions or (dev.type == "cpu" and not self._sync_free)
         self._counters.create(dev, on_host=on_host)
         self._steps.home = dev  # flags are agreed where the scale lives
-
-    def _home_device(self) -> torch.device:
-        device = torch.device(self._device)
-        unnumbered = device.type == "cuda" and device.index is None
-        return torch.device("cuda", torch.cuda.current_device()) if unnumbered else device
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self._scale is None and self._check_only:
@@ -184,107 +173,7 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
             )
         return self._scale, self._growth_tracker
 
-    # ------------------------------------------------------------------ scaling the loss
-    def scale(self, outputs: Any) -> Any:
-        """Multiply a tensor, or a (nested) list/tuple/iterable of tensors, by the scale.
-
-        Same contract as torch's; defined here rather than inherited because ``torch.compile``
-        refuses to trace torch's own GradScaler methods (a graph break at every ``scale()``),
-        while it traces this one. No host sync.
-        """
-        if not self._enabled:
-            return outputs
-        if self._check_only:
-            if self._scale is None:
-                self._lazy_init_scale_growth_tracker(self._home_device())
-            return outputs
-        per_device: dict[torch.device, torch.Tensor] = {}
-
-        def factor(device: torch.device) -> torch.Tensor:
-            if self._scale is None:
-                self._lazy_init_scale_growth_tracker(device)
-            assert self._scale is not None
-            if device not in per_device:
-                per_device[device] = self._scale.to(device=device, non_blocking=True)
-            return per_device[device]
-
-        def apply(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                return value * factor(value.device)
-            if isinstance(value, (list, tuple)):
-                return type(value)(apply(v) for v in value)
-            if isinstance(value, Iterable):
-                return map(apply, value)
-            raise ValueError(
-                f"scale() takes a Tensor or an iterable of Tensors, got {type(value).__name__}"
-            )
-
-        return apply(outputs)
-
-    def scaled_loss_fn(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """Wrap ``loss_fn`` for a ``torch.distributed.pipelining`` schedule: each micro-batch loss
-        is multiplied by the scale, so backward inside the schedule produces scaled gradients on
-        every stage. The schedule's own micro-batch scaling (``scale_grads``) is left as it is.
-
-        The scale is created now, on this scaler's device, so that stages that never compute a
-        loss can still ``unscale_``/``step``/``update``; every stage then joins the one collective
-        of the step. The losses the schedule returns are scaled: divide by :meth:`get_scale` (or
-        use the unscaled value your ``loss_fn`` logs) for display.
-        """
-        if not callable(loss_fn):
-            raise TypeError(f"scaled_loss_fn() takes a callable loss function, got {loss_fn!r}")
-        if self._enabled and self._scale is None:
-            self._lazy_init_scale_growth_tracker(self._home_device())
-
-        def scaled(*args: Any, **kwargs: Any) -> torch.Tensor:
-            return self.scale(loss_fn(*args, **kwargs))  # type: ignore[no-any-return]
-
-        return scaled
-
-    @property
-    def ft_manager(self) -> Any:
-        """The ``torchft.Manager`` this scaler agrees and commits through (its
-        ``process_group``), or ``None``."""
-        return self._steps.topology.ft_manager
-
-    @property
-    def agreement(self) -> reduction.FlagReducer:
-        """The ranks whose skip decisions agree (from ``process_group``), as a reducer: other
-        per-step reductions that must span the same ranks (the engine's fp8 weight scales) use
-        it, so that a job never mixes two ideas of "every rank"."""
-        return self._steps.topology.agreement
-
-    # ------------------------------------------------------------------ module registration
-    def register_module(self, module: Any, *, trust_ddp_sync: bool = False) -> None:
-        """Tell the scaler what holds the parameters: names for reports, copies for norms.
-
-        Accepts a ``DistributedDataParallel`` module (its group tells how many ranks hold each
-        element; ``trust_ddp_sync=True``, off by default: no flag collective for an optimizer it
-        fully synchronises over the job, as its all-reduce spread any inf, right only when nothing
-        edits one rank's gradients between backward and step), an FSDP1 module (shards), a
-        ``torch.distributed.pipelining`` stage (its plain parameters are replicated over every
-        rank running the same stage), or any module (parameter names). FSDP2, TP and expert
-        parameters need no registration: their DTensor placements say it all. Call it on every
-        rank, like the wrappers themselves; the engine does.
-        """
-        self._steps.topology.register_module(module, trust_ddp_sync=trust_ddp_sync)
-
     # ------------------------------------------------------------------ unscale / check
-    def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor | None,
-        found_inf: torch.Tensor,
-        allow_fp16: bool = True,
-    ) -> dict[torch.device, torch.Tensor]:
-        """torch's hook: unscale (``inv_scale`` None: only check) the optimizer's gradients in
-        one pass per group (see check_groups_); returns the local flags per device.
-        ``allow_fp16`` defaults to True as in ``ShardedGradScaler``, whose callers omit it."""
-        plan = self._steps.plans.for_optimizer(optimizer)
-        with torch.no_grad():
-            groups = plan.groups(allow_fp16=allow_fp16, by_factor=inv_scale is not None)
-            return check_groups_(groups, found_inf, inv_scale, self._overflow)
-
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale, in place, and record a local flag.
 
@@ -317,22 +206,6 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
             recorder=self._overflow,
         )
         record.stage = OptState.UNSCALED
-
-    def _check_inf(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
-        """Read-only non-finite check for fused optimizers, which unscale inside their kernel."""
-        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        record = self._steps.record(optimizer)
-        self._steps.check_(
-            optimizer, record, scale.device, None, allow_fp16=True, recorder=self._overflow
-        )
-        return record
-
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """torch's hook for optimizers that handle scaling themselves; returns the agreed flags."""
-        return self._check_inf(optimizer).found_inf_per_device  # type: ignore[return-value]
-
-    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return self._steps.record(optimizer).found_inf_per_device  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ clipping
     def clip_grad_norm_(
@@ -419,14 +292,15 @@ class DistributedGradScaler(ScalerSettings, ScalerReporting):
             found_inf, optimizer = self._replicas.gate(optimizer, found_inf)
         if self._counters.ready:
             self._counters.last_skipped = found_inf  # compared with 0 when read
-        if fused:
-            grad_scale = scale if record.stage is OptState.READY else record.grad_scale
-            retval = fused_step(optimizer, grad_scale, found_inf, *args, **kwargs)
-        elif self._sync_free:
-            retval = masked_step(optimizer, found_inf, *args, **kwargs)
-        else:
-            # Host sync (one per step): whether optimizer.step runs at all is a Python decision.
-            retval = None if found_inf.item() else optimizer.step(*args, **kwargs)
+        retval = gated_step(  # fused: in its kernel; sync-free: undone on device; else .item()
+            optimizer,
+            found_inf,
+            grad_scale=scale if record.stage is OptState.READY else record.grad_scale,
+            fused=fused,
+            sync_free=self._sync_free,
+            args=args,
+            kwargs=kwargs,
+        )
         record.stage = OptState.STEPPED
         return retval
 

@@ -1,10 +1,12 @@
-"""Gating an optimizer's step on the agreed on-device flag, without a host sync.
+"""Gating an optimizer's step on the agreed on-device flag, without a host sync where it can be.
 
 Fused optimizers take ``grad_scale`` and ``found_inf`` as attributes and skip inside their kernel
 (:func:`fused_step`); those still written for torch's older protocol take the scaler itself
 (:func:`grad_scaler_step`). Every other optimizer is a Python loop whose ``step()`` cannot be
 skipped without reading the flag on the host, so the step is made *undoable* instead
-(:func:`masked_step`).
+(:func:`masked_step`), or, outside sync-free mode, skipped after one host read of the flag.
+:func:`gated_step` picks among these, so that the scaler's state machine only says *when* the
+optimizer steps, never *how* each kind of optimizer is gated.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["fused_step", "grad_scaler_step", "masked_step", "takes_grad_scaler"]
+__all__ = ["fused_step", "gated_step", "grad_scaler_step", "masked_step", "takes_grad_scaler"]
 
 
 def _params_with_grad(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -82,6 +84,35 @@ def fused_step(
     finally:
         del optimizer.grad_scale  # type: ignore[attr-defined]
         del optimizer.found_inf  # type: ignore[attr-defined]
+
+
+def gated_step(
+    optimizer: torch.optim.Optimizer,
+    found_inf: torch.Tensor,
+    *,
+    grad_scale: torch.Tensor | None,
+    fused: bool,
+    sync_free: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Step ``optimizer`` with ``args``/``kwargs`` unless the agreed ``found_inf`` is set.
+
+    Args:
+        grad_scale: what a fused optimizer divides its gradients by (ignored otherwise).
+        fused: the optimizer takes ``grad_scale``/``found_inf`` (:func:`fused_step`).
+        sync_free: a non-fused optimizer steps and is undone on device (:func:`masked_step`);
+            otherwise the flag is read on the host and ``optimizer.step`` runs or not.
+
+    Returns:
+        What ``optimizer.step`` returns; ``None`` for a step skipped on the host.
+    """
+    if fused:
+        return fused_step(optimizer, grad_scale, found_inf, *args, **kwargs)
+    if sync_free:
+        return masked_step(optimizer, found_inf, *args, **kwargs)
+    # Host sync (one per step): whether optimizer.step runs at all is a Python decision.
+    return None if found_inf.item() else optimizer.step(*args, **kwargs)
 
 
 def takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
