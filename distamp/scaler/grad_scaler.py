@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from distamp.agreement import reduction
 from distamp.agreement.replicas import ReplicaCommit
@@ -154,12 +155,14 @@ class DistributedGradScaler(
         self._tracer: NonFiniteTracer | None = None
 
     # ------------------------------------------------------------------ lazily created state
+    @override
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         on_host = self._steps.host_decisions or (dev.type == "cpu" and not self._sync_free)
         self._counters.create(dev, on_host=on_host)
         self._steps.home = dev  # flags are agreed where the scale lives
 
+    @override
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self._scale is None and self._check_only:
             # Nothing is ever scaled: a rank that computed no loss (a pipeline stage before the
@@ -174,6 +177,7 @@ class DistributedGradScaler(
         return self._scale, self._growth_tracker
 
     # ------------------------------------------------------------------ unscale / check
+    @override
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale, in place, and record a local flag.
 
@@ -250,6 +254,7 @@ class DistributedGradScaler(
         )
 
     # ------------------------------------------------------------------ step / update
+    @override
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale if needed, agree on found_inf across ranks, and step unless it is set.
 
@@ -304,6 +309,7 @@ class DistributedGradScaler(
         record.stage = OptState.STEPPED
         return retval
 
+    @override
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale on device from the agreed flags of every optimizer of this step.
 
@@ -363,6 +369,7 @@ class DistributedGradScaler(
             self._hysteresis, self._min_scale, self._max_scale,
         )  # fmt: skip
 
+    @override
     def get_scale(self) -> float:
         """The current scale as a Python float (one host sync)."""
         if self._sync_free or self._min_scale is None:  # else update() raised it already

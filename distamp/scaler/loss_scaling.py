@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 __all__ = ["LossScaling"]
 
@@ -31,6 +32,7 @@ class LossScaling(torch.amp.GradScaler):
         unnumbered = device.type == "cuda" and device.index is None
         return torch.device("cuda", torch.cuda.current_device()) if unnumbered else device
 
+    @override
     def scale(self, outputs: Any) -> Any:
         """Multiply a tensor, or a (nested) list/tuple/iterable of tensors, by the scale.
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from distamp.agreement import reduction
 from distamp.observe.diagnostics import (
@@ -166,6 +167,7 @@ class ScalerReporting(torch.amp.GradScaler):
         )
 
     # ------------------------------------------------------------------ state
+    @override
     def state_dict(self) -> dict[str, Any]:
         """torch's keys plus hysteresis, bounds and the skip counter; identical on every rank.
 
@@ -193,6 +195,7 @@ class ScalerReporting(torch.amp.GradScaler):
             max_scale=self._max_scale,
         )
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state from this class or from ``torch.amp.GradScaler.state_dict()``.
 
@@ -219,6 +222,7 @@ class ScalerReporting(torch.amp.GradScaler):
         self._counters.load(sd["_hysteresis_tracker"], sd["skipped_steps"])
         self._min_scale, self._max_scale = sd["min_scale"], sd["max_scale"]
 
+    @override
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         if self._enabled:

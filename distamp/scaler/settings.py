@@ -14,6 +14,7 @@ uses the new value.
 from __future__ import annotations
 
 import torch
+from typing_extensions import override
 
 from distamp.scaler.config import (
     check_backoff_factor,
@@ -28,6 +29,7 @@ class ScalerSettings(torch.amp.GradScaler):
     """torch's setters, checked (see module doc); a base of
     :class:`~distamp.DistributedGradScaler`. None of them syncs the host."""
 
+    @override
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the factor the scale grows by after ``growth_interval`` clean steps.
 
@@ -37,6 +39,7 @@ class ScalerSettings(torch.amp.GradScaler):
         """
         self._growth_factor = check_growth_factor(new_factor)
 
+    @override
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the factor the scale backs off by on an overflow.
 
@@ -46,6 +49,7 @@ class ScalerSettings(torch.amp.GradScaler):
         """
         self._backoff_factor = check_backoff_factor(new_factor)
 
+    @override
     def set_growth_interval(self, new_interval: int) -> None:
         """Set how many clean steps in a row grow the scale.
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from distamp.observe.diagnostics import OverflowRecorder
 from distamp.scaler.grad_groups import check_groups_
@@ -42,6 +43,7 @@ class TorchProtocol(torch.amp.GradScaler):
         self._steps.new_iteration()
         self._steps.records.update(value)
 
+    @override
     def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
@@ -66,9 +68,11 @@ class TorchProtocol(torch.amp.GradScaler):
         )
         return record
 
+    @override
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """torch's hook for optimizers that handle scaling themselves; returns the agreed flags."""
         return self._check_inf(optimizer).found_inf_per_device  # type: ignore[return-value]
 
+    @override
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return self._steps.record(optimizer).found_inf_per_device  # type: ignore[return-value]
