@@ -4,64 +4,52 @@ It owns the order of operations that is easy to get wrong by hand: wrap the mode
 optimizer exists (FSDP), scale before backward, divide by the accumulation count, suppress gradient
 sync on all but the last micro-batch, unscale once before clipping, clip with the wrapper's own
 method, step and update the scaler, and step the LR scheduler only when the optimizer really
-stepped. Wrapping lives in :mod:`distamp.parallel.strategies`, saving in
-:mod:`distamp.engine.checkpoint`, counters in :mod:`distamp.observe.metrics`, the accumulation
-cycle and skip reports in :mod:`distamp.engine.accounting`, the run loop (:meth:`DistAMP.fit`)
-and the pipeline-schedule entry points in :mod:`distamp.engine.loop`.
+stepped. This module owns that order (setup's steps, then autocast -> backward -> step); the
+rest lives beside it: how the model arrives and is wrapped, the optimizer fitted to the wrapper
+(:mod:`distamp.engine.wrapping`, over :mod:`distamp.parallel.strategies`), the numerics and
+diagnostics instruments (:mod:`distamp.engine.instruments`), the process group's lifecycle
+(:mod:`distamp.engine.lifecycle`), ``state_dict``/``save_state``/``load_state``
+(:mod:`distamp.engine.persistence`, files in :mod:`distamp.engine.checkpoint`), counters in
+:mod:`distamp.observe.metrics`, the accumulation cycle and skip reports in
+:mod:`distamp.engine.accounting`, the run loop (:meth:`DistAMP.fit`) and the pipeline-schedule
+entry points in :mod:`distamp.engine.loop`.
 """
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from distamp.agreement.replicas import QuorumSchedule, unwrap_ft_optimizer
+from distamp.agreement.replicas import QuorumSchedule
 from distamp.agreement.traffic import grad_traffic
-from distamp.cluster import (
-    init_distributed,
-    is_distributed,
-    named_collective,
-    shutdown_distributed,
-)
+from distamp.cluster import is_distributed, named_collective
 from distamp.engine.accounting import MicroBatchCycle, SkipReports, release_grads
-from distamp.engine.checkpoint import apply_checkpoint, read_checkpoint, save_checkpoint
 from distamp.engine.config import AMPConfig, make_config, make_scaler, training_device
-from distamp.engine.loop import RunLoop, pipeline_stages
-from distamp.engine.resume import check_resume
-from distamp.engine.setup_checks import (
-    OptimizerArg,
-    SchedulerArg,
-    built_optimizer,
-    check_ft_setup,
-    check_model,
-    check_setup,
-    checked_scheduler,
+from distamp.engine.instruments import attach_tracer, build_adaptive, detach_instruments
+from distamp.engine.lifecycle import join_group, leave_group
+from distamp.engine.loop import RunLoop
+from distamp.engine.persistence import EnginePersistence
+from distamp.engine.setup_checks import OptimizerArg, SchedulerArg, check_setup, checked_scheduler
+from distamp.engine.wrapping import (
+    connect_scaler,
+    fit_optimizer,
+    model_arrival,
+    prepare_precision,
+    wrap_model,
 )
 from distamp.observe.diagnostics import NonFiniteTracer
 from distamp.observe.metrics import Metrics, StepResult
 from distamp.observe.numerics import NumericStats
-from distamp.parallel.comm_hooks import comm_state_dict, load_comm_state
-from distamp.parallel.strategies import (
-    SHARDED,
-    apply_strategy,
-    gradient_sync_disabled,
-    is_parallelised,
-    rebuild_optimizer,
-    register_comm_hook,
-    resolve_strategy,
-    wrap_replicas,
-)
-from distamp.precision.adaptive_run import AdaptiveRun, refuse_under_pipeline
+from distamp.parallel.strategies import gradient_sync_disabled
+from distamp.precision.adaptive_run import AdaptiveRun
 from distamp.precision.fp8 import Float8Training
-from distamp.precision.patterns import gather_modules, job_modules
+from distamp.precision.patterns import gather_modules
 from distamp.precision.policy import (
     AutocastPolicy,
     MPOwner,
@@ -74,7 +62,7 @@ from distamp.scaler import DistributedGradScaler
 __all__ = ["AMPConfig", "DistAMP", "StepResult"]
 
 
-class DistAMP(RunLoop):
+class DistAMP(EnginePersistence, RunLoop):
     """Mixed-precision training engine. The settings that must be identical on every rank are
     compared once, at :meth:`setup`.
 
@@ -224,60 +212,25 @@ class DistAMP(RunLoop):
         """
         if self._model is not None:
             raise RuntimeError("DistAMP.setup() was already called: use one DistAMP per model")
-        if not is_distributed():
-            init_distributed(timeout=self.config.timeout, warn_if_single=False)  # one process: none
-            self._owns_group = is_distributed()
-        cfg = self.config
+        self._owns_group = join_group(self.config.timeout)
+        cfg, ft = self.config, self.config.ft_manager
         self.device = training_device(cfg)
-        stages, model = pipeline_stages(model)
-        check_model(model)
-        if len(stages) > 1:
-            refuse_under_pipeline(cfg.policy, cfg.numerics_interval)
-        parallelised = cfg.mesh is not None or bool(stages) or is_parallelised(model)
-        ft = cfg.ft_manager
-        self.strategy = (
-            resolve_strategy(cfg.strategy, self.world_size, parallelised=parallelised)
-            if ft is None
-            else check_ft_setup(cfg, model, parallelised=parallelised, stages=bool(stages))
-        )
+        # A stage or stages, a model already parallelised, torchft replicas: the strategy.
+        arrival = model_arrival(model, cfg, self.world_size)
+        model, stages, self.strategy = arrival.model, arrival.stages, arrival.strategy
         self.mp_owner = select_mp_owner(cfg.precision, self.strategy, self.device.type)
         # Before wrapping, whose collectives would hang or diverge on ranks built differently.
         check_setup(cfg, self.strategy, self.device, model, optimizer, scheduler)
         names = {id(p): n for n, p in model.named_parameters()}
         model = model.to(self.device)
-        fsdp_dtype = cfg.precision.compute_dtype if self.mp_owner == "fsdp" else None
         job = gather_modules(model) if stages else None  # patterns match across the stages
-        with job_modules(job):
-            if cfg.precision.float8_linears:  # before wrapping: FSDP2 must see float8 weights
-                policy = cfg.policy or AutocastPolicy(cfg.precision)
-                self.fp8 = (
-                    Float8Training.adopt(model, policy)  # converted before parallelising
-                    if parallelised
-                    else Float8Training.convert(
-                        model, policy, strategy=self.strategy, device=self.device
-                    )
-                )
-            if cfg.policy is not None:
-                cfg.policy.apply(model)  # before wrapping: the hooks stay on FSDP's units
-        wrapped = (
-            wrap_replicas(model, ft, cfg.comm_hook)  # torchft's DDP: averaged across replicas
-            if ft is not None and self.strategy == "ddp"
-            else apply_strategy(
-                model,
-                strategy=self.strategy,
-                device=self.device,
-                fsdp_dtype=fsdp_dtype,
-                policy=cfg.policy if self.strategy in SHARDED else None,
-                hsdp_shard_size=cfg.hsdp_shard_size,
-                ddp_kwargs=cfg.ddp_kwargs,
-            )
+        self.fp8 = prepare_precision(model, cfg, arrival=arrival, device=self.device, job=job)
+        wrapped = wrap_model(
+            model, cfg, strategy=self.strategy, device=self.device, mp_owner=self.mp_owner
         )
-        if ft is not None:  # the engine votes and starts quorums: torchft's wrapper would too
-            optimizer = unwrap_ft_optimizer(optimizer, ft)
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = built_optimizer(optimizer(list(wrapped.parameters())), wrapped)
-        elif self.strategy in SHARDED:
-            optimizer = rebuild_optimizer(optimizer, names, wrapped, self.strategy)
+        optimizer = fit_optimizer(
+            optimizer, cfg, names=names, wrapped=wrapped, strategy=self.strategy
+        )
         scheduler = checked_scheduler(scheduler, optimizer)
         self.scaler = (
             cfg.scaler
@@ -289,21 +242,12 @@ class DistAMP(RunLoop):
                 wrapped, strategy=self.strategy, device=self.device, reducer=self.scaler.agreement
             )
         self.skips.arm(self.scaler.min_scale)  # its "at floor" warning
-        # Names for reports; DDP: copies (trusted: no collective); FSDP1: which are shards;
-        # a pipeline stage: how many ranks run the same stage.
-        for part in stages or [wrapped]:
-            self.scaler.register_module(part, trust_ddp_sync=cfg.trust_ddp_sync)
-        if cfg.comm_hook is not None:  # DDP's hook, or FSDP2's reduce-scatter ("fp8")
-            self.comm_hook_state = register_comm_hook(wrapped, cfg.comm_hook, scaler=self.scaler)
+        self.comm_hook_state = connect_scaler(self.scaler, wrapped, stages, cfg)
         if cfg.trace_nonfinite:
-            self.tracer = NonFiniteTracer(model)  # the unwrapped model: its module names
-            self.scaler.attach_tracer(self.tracer)
-        with job_modules(job):  # the unwrapped model: its module names
-            self.adaptive = AdaptiveRun.build(
-                model, precision=cfg.precision, policy=cfg.policy, scaler=self.scaler,
-                interval=cfg.numerics_interval, step=self.step_count,
-                stage=stages[0].stage_index if stages else None,
-            )  # fmt: skip
+            self.tracer = attach_tracer(model, self.scaler)  # the unwrapped model: its names
+        self.adaptive = build_adaptive(
+            model, cfg, scaler=self.scaler, step=self.step_count, job=job, stages=stages
+        )
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
         traffic = grad_traffic(wrapped, self.strategy, self.comm_hook_state, ft is not None)
         self.metrics = Metrics(self.device, traffic)
@@ -401,63 +345,7 @@ class DistAMP(RunLoop):
         self.backward(loss, tokens=tokens)
         return self.step() if self.cycle.complete else None
 
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """The small, rank-identical state: step counter, scaler, scheduler (syncs: the scaler)."""
-        sched = self.scheduler.state_dict() if self.scheduler is not None else None
-        state = {"step": self.step_count, "precision": self.precision.name}  # resume converts
-        state.update(scaler=self.scaler.state_dict(), scheduler=sched)
-        if self.adaptive is not None:  # precision changes, replayed by load_state
-            state["adaptive"] = self.adaptive.state_dict()
-        return state
-
-    def save_state(self, directory: str | Path, *, keep: int = 2) -> Path:
-        """Save model, optimizer, scheduler, scaler, step counter and RNG streams atomically
-        (see :mod:`distamp.engine.checkpoint`). Collective: call on every rank."""
-        self.cycle.require_idle(
-            "save_state() in the middle of an accumulation cycle: call it after step()"
-        )
-        # A peer that stalls mid-save fails this rank with the save named, not a bare "recv".
-        with named_collective("save_state (checkpoint write)", self.config.timeout):
-            return save_checkpoint(
-                directory,
-                step=self.step_count,
-                model=self.model,
-                optimizer=self.optimizer,
-                trainer_state=self.state_dict(),
-                keep=keep,
-                rank_state=comm_state_dict(self.comm_hook_state),
-            )
-
-    def load_state(self, directory: str | Path) -> bool:
-        """Load the latest checkpoint of ``directory``, if any. Collective: call on every rank.
-
-        Everything is checked before anything is applied (every file's size and CRC, entries and
-        shapes, every trainer field: :mod:`distamp.engine.resume`), and every rank loads or none
-        does; the loss scale is carried over only between fp16 runs (a log line says so).
-
-        Returns:
-            True if a checkpoint was loaded, False if ``directory`` holds none.
-
-        Raises:
-            CheckpointError: a file is damaged, the path is not a checkpoint directory, or the
-                checkpoint does not fit this model; nothing changed (file and rank are named).
-            ValueError: a trainer field is malformed or does not fit; nothing changed.
-        """
-        with named_collective("load_state (checkpoint read)", self.config.timeout):
-            read = read_checkpoint(directory, model=self.model, optimizer=self.optimizer,
-                check=lambda r: check_resume(r, precision=self.precision, scaler=self.scaler,
-                scheduler=self.scheduler, adaptive=self.adaptive, comm_state=self.comm_hook_state),
-            )  # fmt: skip
-            if read is None:
-                return False
-            apply_checkpoint(read, model=self.model, optimizer=self.optimizer)
-            load_comm_state(self.comm_hook_state, read.rank_state)  # error-feedback residuals
-            if self.fp8 is not None:
-                self.fp8.after_step(self.model)  # the loaded weights' float8 scales
-        self.step_count = read.checked.apply(self.scaler, self.scheduler, self.adaptive, self.skips)
-        return True
-
+    # ------------------------------------------------------------------ reports and close
     def numerics(self) -> NumericStats | None:
         """The numeric monitor's latest agreed report (identical on every rank; no sync), or
         ``None`` before the first report or without a monitor."""
@@ -470,18 +358,11 @@ class DistAMP(RunLoop):
         order, not at exit where gloo's threads can abort); the group destroyed if setup made it."""
         if is_distributed():
             dist.barrier()
-        if self.tracer is not None:
-            self.tracer.remove()
-            self.scaler.attach_tracer(None)
-        if self.adaptive is not None:
-            self.adaptive.close()
+        detach_instruments(self.scaler, self.tracer, self.adaptive)
         self._model = self._optimizer = self.scheduler = self.tracer = self.quorum = None
         self.comm_hook_state = None
         if self.fp8 is not None:  # its weight scales hold the model's float8 layers
             self.fp8.scales = None
         self.scaler = DistributedGradScaler("cpu", enabled=False)  # it held group handles
-        if self._owns_group:
-            shutdown_distributed()  # barrier, collection, destroy
-        else:
-            gc.collect()
+        leave_group(owned=self._owns_group)  # the group destroyed only if setup made it
         self._owns_group = False

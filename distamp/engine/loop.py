@@ -23,9 +23,8 @@ from distamp.engine.config import AMPConfig
 from distamp.observe.metrics import Metrics, StepResult, WindowStats
 from distamp.precision.fp8 import Float8Training
 from distamp.scaler import DistributedGradScaler
-from distamp.torch_compat import is_pipeline_stage
 
-__all__ = ["Engine", "RunLoop", "check_fit_arguments", "pipeline_stages"]
+__all__ = ["Engine", "RunLoop", "check_fit_arguments"]
 
 
 class Engine(Protocol):
@@ -224,23 +223,3 @@ def check_fit_arguments(**given: Any) -> dict[str, Any]:
     if folder is not None and not isinstance(folder, (str, os.PathLike)):
         raise ArgumentTypeError(f"fit(checkpoint_dir={folder!r:.80}): expected a path or None")
     return out
-
-
-def pipeline_stages(model: Any) -> tuple[list[Any], nn.Module]:
-    """``(stages, module to train)`` for what :meth:`~distamp.DistAMP.setup` was given: no stage
-    and the model itself, one ``torch.distributed.pipelining`` stage and its module, or a list
-    of this rank's stages and a ``ModuleDict`` of their modules keyed by global stage index."""
-    if is_pipeline_stage(model):
-        return [model], model.submod
-    if isinstance(model, (list, tuple)):
-        if not model or not all(is_pipeline_stage(s) for s in model):
-            kinds = sorted({type(s).__name__ for s in model}) or ["nothing"]
-            raise ValueError(
-                "setup(): a list must hold this rank's torch.distributed.pipelining stages "
-                f"(several for interleaved schedules), got {', '.join(kinds)}"
-            )
-        indices = [s.stage_index for s in model]
-        if len(set(indices)) != len(indices):
-            raise ValueError(f"setup(): the stages' indices repeat: {indices}")
-        return list(model), nn.ModuleDict({f"stage{s.stage_index}": s.submod for s in model})
-    return [], model
