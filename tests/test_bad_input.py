@@ -1,7 +1,7 @@
 """Bad input never crashes deep inside torch: arguments, checkpoints, world sizes, NaN losses.
 
-- Fuzzed constructor arguments of the scaler and the engine: either a working object (one real
-  training step runs) or a ``ValueError`` that names the offending field.
+- Fuzzed constructor arguments of the engine: either a working object or a ``ValueError`` that
+  names the offending field (the scaler's: tests/test_scaler.py).
 - A truncated or corrupted checkpoint: a ``CheckpointError`` naming the file; the model and the
   checkpoint directory are left exactly as they were.
 - A checkpoint from another world size: loads, resharded through torch.distributed.checkpoint.
@@ -25,15 +25,13 @@ import numpy as np
 import pytest
 import torch
 from _dist import run_ranks
+from fuzz_scenarios import ARG_VALUES, JUNK, maybe, numeric
 from hypothesis import event, example, given
 from hypothesis import strategies as st
-from scaler_scenarios import check_real_steps
 from torch import nn
 
 from distamp import (
     AutocastPolicy,
-    DistributedGradScaler,
-    ScaleUnderflowError,
     detect_environment,
     init_distributed,
 )
@@ -42,227 +40,18 @@ from distamp.engine import DistAMP
 from distamp.engine.checkpoint import CheckpointError
 from distamp.parallel.strategies import STRATEGIES
 
-
-# Values of every kind, valid or not: each field gets its plausible values and the others, as
-# Python, numpy and 0-d tensor numbers (torch's GradScaler takes all three).
-def _numeric(values: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    def wrap(v: Any) -> st.SearchStrategy[Any]:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            return st.just(v)
-        kinds: list[Any] = [v]
-        if isinstance(v, int) and -(2**63) <= v < 2**63:
-            kinds += [np.int64(v), torch.tensor(v)]
-        elif isinstance(v, float):
-            kinds += [np.float64(v), np.float32(v)]
-        return st.sampled_from(kinds)
-
-    return values.flatmap(wrap)
-
-
-JUNK = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-(2**70), 2**70),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([1e-46, 1e-40, 1e-38, 3.5e38, 1e39, 2**31, 2**63, np.bool_(True)]),
-    st.text(max_size=6),
-    st.lists(st.integers(), max_size=2),
-    st.just(object()),
-    st.just(torch.ones(2)),
-)
-
-
-def _maybe(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    return st.one_of(valid, valid, _numeric(JUNK))  # valid values twice as likely as junk
-
-
-SCALER_ARGS = st.fixed_dictionaries(
-    {},
-    optional={
-        "init_scale": _maybe(_numeric(st.floats(1e-38, 3.4e38))),
-        "growth_factor": _maybe(_numeric(st.floats(1.0, 1e40))),
-        "backoff_factor": _maybe(_numeric(st.floats(0.0, 1.0))),
-        "growth_interval": _maybe(_numeric(st.integers(1, 2**32))),
-        "enabled": _maybe(st.booleans()),
-        "hysteresis": _maybe(_numeric(st.integers(1, 2**32))),
-        "min_scale": _maybe(st.one_of(st.none(), _numeric(st.floats(1e-40, 1.0)))),
-        "max_scale": _maybe(st.one_of(st.none(), _numeric(st.floats(2.0**20, 1e39)))),
-        "sync_free": _maybe(st.booleans()),
-        "device": _maybe(st.sampled_from(["cpu", "cuda", "meta", "tpu", "cpu:0"])),
-    },
-)
-F32 = torch.finfo(torch.float32)
-
-
-@given(SCALER_ARGS)
-@example({"init_scale": 3.5e38, "max_scale": 1e40})
-@example({"hysteresis": 2**31})
-@example({"growth_interval": 2**63})
-@example({"init_scale": 1e-46})
-@example({"init_scale": 1e-40})
-@example({"backoff_factor": 1e-50})
-@example({"backoff_factor": 1e-50, "hysteresis": 2})
-@example({"backoff_factor": 1e-50, "min_scale": 1e-30, "init_scale": 1.0})
-@example({"growth_interval": np.int64(5), "init_scale": np.float32(8.0)})
-@example({"growth_interval": torch.tensor(5), "hysteresis": torch.tensor(2)})
-@example({"init_scale": F32.max, "growth_factor": 1e38, "growth_interval": 1})
-@example({"init_scale": F32.tiny, "sync_free": True})
-@example({"enabled": False})
-def test_fuzzed_scaler_arguments(kwargs: dict[str, Any]) -> None:
-    kwargs = dict(kwargs)
-    device = kwargs.pop("device", "cpu")
-    try:
-        scaler = DistributedGradScaler(device, **kwargs)
-    except ValueError as exc:
-        fields = [*kwargs, "device"]
-        assert any(f"`{name}`" in str(exc) for name in fields), f"unnamed field: {exc}"
-        event("rejected with ValueError")
-        return
-    event("constructed, stepped")
-    if scaler.is_enabled() and torch.device(device).type != "cpu":
-        return  # a valid device this machine lacks: nothing to step on
-    check_real_steps(scaler)
-
-
-def test_numpy_and_tensor_numbers_train_like_python_ones() -> None:
-    """The issue's numpy rows: accepted like torch.amp.GradScaler, same trajectory."""
-    kinds = [
-        dict(growth_interval=np.int64(2), init_scale=np.float32(8.0)),
-        dict(growth_interval=torch.tensor(2), init_scale=torch.tensor(8.0)),
-    ]
-    plain = DistributedGradScaler("cpu", growth_interval=2, init_scale=8.0)
-    check_real_steps(plain, overflows=1)
-    for kw in kinds:
-        ours = DistributedGradScaler("cpu", **kw)
-        check_real_steps(ours, overflows=1)
-        assert ours.state_dict() == plain.state_dict()
-    amp = DistAMP("fp16", strategy="none", grad_accum_steps=np.int64(2))
-    amp2 = DistAMP("fp16", strategy="none", max_grad_norm=np.float32(1.0))
-    assert type(amp.config.grad_accum_steps) is int and type(amp2.config.max_grad_norm) is float
-
-
-def test_backoff_to_zero_stops_at_the_floor_and_raises() -> None:
-    """torch's scaler goes to 0 (then NaN weights); ours stops at the smallest normal float32."""
-    ref = torch.amp.GradScaler("cpu", backoff_factor=1e-50)
-    ours = DistributedGradScaler("cpu", backoff_factor=1e-50)
-    for scaler in (ref, ours):
-        model = nn.Linear(3, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler.scale(model(torch.ones(1, 3)).sum() * math.inf).backward()
-        scaler.step(opt)
-        scaler.update()
-    assert ref.get_scale() == 0.0  # what the issue reported, and why the floor exists
-    assert ours.get_scale() == F32.tiny
-    with pytest.raises(ScaleUnderflowError, match="smallest normal float32"):
-        _overflow_twice()  # the second overflow arrives at the floor
-
-
-def _overflow_twice() -> None:
-    scaler = DistributedGradScaler("cpu", backoff_factor=1e-50)
-    model = nn.Linear(3, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(2):
-        opt.zero_grad()
-        scaler.scale(model(torch.ones(1, 3)).sum() * math.inf).backward()
-        scaler.step(opt)
-        scaler.update()
-    scaler.get_scale()
-
-
-def _stepped(scaler: DistributedGradScaler) -> DistributedGradScaler:
-    model = nn.Linear(3, 1)
-    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
-    scaler.step(torch.optim.SGD(model.parameters(), lr=0.1))
-    return scaler
-
-
-@pytest.mark.parametrize(
-    ("new_scale", "match"),
-    [
-        (0.0, "normal float32"),
-        (1e-46, "normal float32"),
-        (1e-40, "normal float32"),
-        (math.inf, "finite"),
-        (math.nan, "finite"),
-        (torch.tensor([0.0]), "normal float32"),
-        (torch.ones(2), "1-element"),
-        (2.0**30, "above `max_scale`"),
-    ],
-)
-def test_update_new_scale_is_checked_like_every_other_scale(new_scale: Any, match: str) -> None:
-    """torch's update(new_scale=0.0) leaves a dead scale; ours refuses it and keeps the old one."""
-    scaler = _stepped(DistributedGradScaler("cpu", init_scale=8.0, max_scale=2.0**20))
-    with pytest.raises(ValueError, match=match):
-        scaler.update(new_scale=new_scale)
-    assert scaler.get_scale() == 8.0
-
-
-@pytest.mark.parametrize("new_scale", [4.0, np.float32(4.0), torch.tensor(4.0)])
-def test_update_new_scale_accepts_what_torch_accepts(new_scale: Any) -> None:
-    scaler = _stepped(DistributedGradScaler("cpu", init_scale=8.0))
-    scaler.update(new_scale=new_scale)
-    assert scaler.get_scale() == 4.0
-    _stepped(scaler).update()  # a clean iteration follows
-    assert scaler.get_scale() == 4.0
-
-
-STATE_VALUES = _numeric(
-    st.one_of(
-        st.integers(-(2**64), 2**64),
-        st.floats(allow_nan=True, allow_infinity=True),
-        st.sampled_from([1e39, 1e-40, 0.0, 2**31, 2**40, 2**63, None, "x", True]),
-    )
-)
-STATE_KEYS = st.sampled_from(
-    [
-        "scale",
-        "growth_factor",
-        "backoff_factor",
-        "growth_interval",
-        "_growth_tracker",
-        "hysteresis",
-        "_hysteresis_tracker",
-        "skipped_steps",
-        "min_scale",
-        "max_scale",
-    ]
-)
-
-
-@given(st.dictionaries(STATE_KEYS, STATE_VALUES, min_size=1, max_size=3))
-@example({"scale": 1e39})
-@example({"_growth_tracker": 2**40})
-@example({"_growth_tracker": 2**31 - 1})
-@example({"_hysteresis_tracker": 2**31})
-@example({"skipped_steps": 2**63})
-@example({"scale": np.float32(8.0), "growth_interval": np.int64(3)})
-def test_fuzzed_state_dict_contents(changes: dict[str, Any]) -> None:
-    scaler = DistributedGradScaler("cpu", init_scale=32.0, hysteresis=2)
-    check_real_steps(scaler, overflows=1)
-    before = scaler.state_dict()
-    try:
-        scaler.load_state_dict({**before, **changes})
-    except ValueError as exc:
-        assert any(f"state_dict['{k}']" in str(exc) for k in changes), f"unnamed key: {exc}"
-        assert scaler.state_dict() == before  # nothing changed
-        event("rejected with ValueError")
-        return
-    event("loaded, stepped")
-    check_real_steps(scaler)
-
-
 ENGINE_ARGS = st.fixed_dictionaries(
     {},
     optional={
-        "precision": _maybe(st.sampled_from(["bf16", "fp16", "fp32", "16-mixed", torch.float16])),
-        "strategy": _maybe(st.sampled_from(["auto", "none", "ddp", "fsdp", "fsdp2"])),
-        "grad_accum_steps": _maybe(_numeric(st.integers(1, 4))),
-        "max_grad_norm": _maybe(st.one_of(st.none(), _numeric(st.floats(0.1, 10.0)))),
-        "timeout": _maybe(st.one_of(st.floats(1.0, 600.0), st.just(timedelta(seconds=-1)))),
-        "device": _maybe(st.sampled_from(["cpu", "cpu:0", "cuda:7", "gpu"])),
-        "comm_hook": _maybe(st.sampled_from([None, "fp16", "bf16", "powersgd", "zip"])),
-        "hsdp_shard_size": _maybe(st.one_of(st.none(), _numeric(st.integers(1, 4)))),
-        "policy": _maybe(st.sampled_from([None, "default", "fp32"])),
+        "precision": maybe(st.sampled_from(["bf16", "fp16", "fp32", "16-mixed", torch.float16])),
+        "strategy": maybe(st.sampled_from(["auto", "none", "ddp", "fsdp", "fsdp2"])),
+        "grad_accum_steps": maybe(numeric(st.integers(1, 4))),
+        "max_grad_norm": maybe(st.one_of(st.none(), numeric(st.floats(0.1, 10.0)))),
+        "timeout": maybe(st.one_of(st.floats(1.0, 600.0), st.just(timedelta(seconds=-1)))),
+        "device": maybe(st.sampled_from(["cpu", "cpu:0", "cuda:7", "gpu"])),
+        "comm_hook": maybe(st.sampled_from([None, "fp16", "bf16", "powersgd", "zip"])),
+        "hsdp_shard_size": maybe(st.one_of(st.none(), numeric(st.integers(1, 4)))),
+        "policy": maybe(st.sampled_from([None, "default", "fp32"])),
     },
 )
 
@@ -314,8 +103,8 @@ _ENGINE_DOMAINS: dict[str, Any] = {
 
 
 @given(
-    st.one_of(st.sampled_from(["fp8", "bf16", "fp16", 16, 32]), _numeric(JUNK)),
-    st.one_of(st.none(), _numeric(st.integers(-5, 5000)), _numeric(JUNK)),
+    st.one_of(st.sampled_from(["fp8", "bf16", "fp16", 16, 32]), numeric(JUNK)),
+    st.one_of(st.none(), numeric(st.integers(-5, 5000)), numeric(JUNK)),
 )
 @example("fp8", np.int64(64))
 @example(np.int64(16), None)
@@ -394,13 +183,6 @@ TRAIN_FLAGS = st.sampled_from(
      "--threads", "--timeout", "--fp8-recipe", "--fp8-min-features", "--data", "--comm-hook",
      "--size"]
 )  # fmt: skip
-ARG_VALUES = st.one_of(
-    st.integers(-(2**40), 2**40).map(str),
-    st.floats(allow_nan=True, allow_infinity=True).map(str),
-    st.sampled_from(
-        ["fp16", "fp17", "ddp", "rowwise", "abc", "", "/nonexistent", "launch", "fp8", "medium"]
-    ),
-)
 
 
 @given(st.lists(st.tuples(TRAIN_FLAGS, ARG_VALUES), max_size=4))

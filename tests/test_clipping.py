@@ -1,11 +1,14 @@
 """DistributedGradScaler.clip_grad_norm_: same numbers as torch's unscale_ + clip_grad_norm_,
-one read pass, one collective, the same norm on every rank (DDP, FSDP1, FSDP2, HSDP)."""
+one read pass, one collective, the same norm on every rank (DDP, FSDP1, FSDP2, HSDP);
+``max_norm=math.inf`` measures without clipping, as torch's does, and the max norms torch turns
+into damage (0, negative, NaN) are refused."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from _dist import run_ranks
@@ -138,6 +141,54 @@ def test_misuse_is_reported() -> None:
     model[0].weight.grad[0, 0] = INF
     with pytest.raises(RuntimeError, match="non-finite"):
         scaler.clip_grad_norm_(opt, 1.0, error_if_nonfinite=True)
+
+
+# ---------------------------------------------------------------------------- max_norm=inf
+def _clip_case(enabled: bool, fused: bool, max_norm: Any) -> tuple[float, float, bool]:
+    torch.manual_seed(0)
+    model, ref = nn.Linear(4, 3), nn.Linear(4, 3)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), fused=fused or None, foreach=None)
+    scaler = DistributedGradScaler("cpu", init_scale=8.0, enabled=enabled)
+    x = torch.randn(5, 4)
+    scaler.scale(model(x).sum()).backward()
+    norm = scaler.clip_grad_norm_(opt, max_norm)
+    ref(x).sum().backward()
+    torch_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), math.inf)
+    left = 8.0 if enabled and fused else 1.0  # a fused step divides by its grad_scale
+    grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True)]
+    same = all(
+        g is not None and r is not None and torch.allclose(g / left, r, rtol=1e-6) for g, r in grads
+    )
+    scaler.step(opt)
+    scaler.update()
+    return float(norm), float(torch_norm), same
+
+
+@pytest.mark.parametrize("max_norm", [math.inf, np.float64("inf"), torch.tensor(math.inf)])
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("fused", [False, True])
+def test_infinite_max_norm_measures_without_clipping(
+    max_norm: Any, enabled: bool, fused: bool
+) -> None:
+    """torch's ``clip_grad_norm_(params, inf)`` returns the norm and multiplies by 1 (the
+    Hugging Face Trainer turns clipping off so); distamp's returns the same norm, unscales and
+    clips nothing."""
+    norm, torch_norm, unclipped = _clip_case(enabled, fused, max_norm)
+    assert norm == pytest.approx(torch_norm, rel=1e-6) and norm > 1.0
+    assert unclipped
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, -math.inf, math.nan, np.float32("nan")])
+def test_max_norms_that_torch_turns_into_damage_are_refused(bad: Any) -> None:
+    """torch zeroes the gradients at 0, flips their sign below 0 and makes them NaN at NaN."""
+    scaler = DistributedGradScaler("cpu")
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    with pytest.raises(ValueError, match=r"`max_norm` must be a number > 0 \(math\.inf"):
+        scaler.clip_grad_norm_(opt, bad)
+    scaler.clip_grad_norm_(opt, 1.0)  # nothing was recorded by the refused call
 
 
 # ---------------------------------------------------------------------------- distributed

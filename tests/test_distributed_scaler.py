@@ -2,7 +2,8 @@
 
 Every scenario injects inf/NaN into ONE rank's local gradient or shard at steps 1, 3 and 4 and
 checks, after every step, that all ranks took the same skip decision, hold the same scale and hold
-bitwise-identical full parameters.
+bitwise-identical full parameters. Scalers built with different settings on different ranks
+fail at their first collective, on every rank, naming the field.
 """
 
 from __future__ import annotations
@@ -11,8 +12,13 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 from _dist import run_ranks
 from scaler_scenarios import INF, Scenario, run_many
+from torch import nn
+
+from distamp import DistributedGradScaler
+from distamp.cluster import SettingsMismatchError
 
 EXPECTED_SKIPS = [False, True, False, True, True, False]
 
@@ -176,3 +182,34 @@ def test_explicit_unscale_leaves_the_agreed_flag_for_readers() -> None:
         assert res["stages"] == ["UNSCALED", "UNSCALED"]
         assert res["collectives"] == 1
         assert res["scale"] == 1.0  # backed off from 2 on both ranks
+
+
+# ---------------------------------------------------------------------------- settings
+def _model(width: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
+
+
+def _scaler_rank(rank: int, world: int) -> str:
+    from distamp.cluster import init_distributed, shutdown_distributed
+
+    init_distributed(timeout=60)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DistributedGradScaler("cpu", growth_interval=2000 if rank == 0 else 1000)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(4, 4)).float().sum()
+    scaler.scale(loss).backward()
+    try:
+        scaler.step(opt)  # the first collective: the settings are compared before it
+        message = "no error"
+    except SettingsMismatchError as exc:
+        message = str(exc)
+    shutdown_distributed()
+    return message
+
+
+@pytest.mark.timeout(60)
+def test_scalers_built_differently_fail_at_their_first_collective() -> None:
+    messages = run_ranks(_scaler_rank, 2, timeout=45)
+    assert all("scaler.growth_interval: ranks 0: 2000; ranks 1: 1000" in m for m in messages)
