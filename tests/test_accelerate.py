@@ -22,6 +22,9 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("accelerate") is None, reason="needs distamp[accelerate]"
 )
 
+from torch import nn  # noqa: E402
+
+from distamp import AutocastPolicy  # noqa: E402
 from tests._dist import run_ranks, run_torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,3 +214,39 @@ def test_policy_holds_under_activation_checkpointing() -> None:
     assert runs[True]["wrappers"] == 4 and runs[False]["wrappers"] == 0
     assert runs[True]["digest"] == runs[False]["digest"]
     assert runs[True]["losses"] == runs[False]["losses"]
+
+
+def _accelerate_refusals(rank: int, world: int, out: str) -> list[str]:
+    from accelerate import Accelerator
+
+    from distamp.integrations.accelerate import DistAMPAccelerator
+
+    messages = []
+    for mode in ("bf16", "no"):
+        try:
+            DistAMPAccelerator(mixed_precision=mode, cpu=True, policy=AutocastPolicy("fp16"))
+        except ValueError as exc:
+            messages.append(str(exc))
+    acc = DistAMPAccelerator(mixed_precision="bf16", cpu=True, policy=AutocastPolicy("bf16"))
+    assert isinstance(acc, Accelerator)
+    if importlib.util.find_spec("transformers") is not None:  # the same rule, as fp16=/bf16=
+        from transformers import TrainingArguments
+
+        from distamp.integrations.transformers import DistAMPTrainer
+
+        args = TrainingArguments(out, bf16=True, use_cpu=True, report_to=[])
+        try:
+            DistAMPTrainer(model=nn.Linear(4, 2), args=args, policy=AutocastPolicy("fp16"))
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="needs accelerate")
+def test_accelerate_and_hf_trainer_refuse_a_policy_of_another_precision(tmp_path: Path) -> None:
+    (messages,) = run_ranks(_accelerate_refusals, 1, str(tmp_path), timeout=120)
+    assert "mixed_precision='bf16' trains in bf16" in messages[0], messages
+    assert "no loss scaling" in messages[0] and "same precision" in messages[0], messages
+    assert "mixed_precision='no' trains in fp32" in messages[1], messages
+    if importlib.util.find_spec("transformers") is not None:
+        assert len(messages) == 3 and "TrainingArguments" in messages[2], messages

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None, reason="needs distamp[lightning]"
 )
 
+from distamp import AutocastPolicy  # noqa: E402
 from tests._dist import run_ranks, run_torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,3 +196,14 @@ def test_fabric_policy_holds_under_activation_checkpointing() -> None:
     assert runs[True]["wrappers"] == 4 and runs[False]["wrappers"] == 0
     assert runs[True]["digest"] == runs[False]["digest"]
     assert runs[True]["losses"] == runs[False]["losses"]
+
+
+def test_fabric_plugin_refuses_a_policy_of_another_precision() -> None:
+    pytest.importorskip("lightning", reason="needs distamp[lightning]")
+    from distamp.integrations.lightning import DistAMPPrecision
+
+    with pytest.raises(ValueError, match=r"^the policy is for fp16.*same precision.*no loss") as e:
+        DistAMPPrecision("bf16-mixed", device="cpu", policy=AutocastPolicy("fp16", adaptive=True))
+    # the cause first, the policy in short at the end (its precision and what differs)
+    assert str(e.value).endswith("policy: AutocastPolicy('fp16'; adaptive))"), str(e.value)
+    DistAMPPrecision("bf16-mixed", device="cpu", policy=AutocastPolicy("bf16"))  # agrees

@@ -46,56 +46,6 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).float().square().mean()
 
 
-# ---- a policy of another precision -----------------------------------------------------------
-
-
-def test_fabric_plugin_refuses_a_policy_of_another_precision() -> None:
-    pytest.importorskip("lightning", reason="needs distamp[lightning]")
-    from distamp.integrations.lightning import DistAMPPrecision
-
-    with pytest.raises(ValueError, match=r"^the policy is for fp16.*same precision.*no loss") as e:
-        DistAMPPrecision("bf16-mixed", device="cpu", policy=AutocastPolicy("fp16", adaptive=True))
-    # the cause first, the policy in short at the end (its precision and what differs)
-    assert str(e.value).endswith("policy: AutocastPolicy('fp16'; adaptive))"), str(e.value)
-    DistAMPPrecision("bf16-mixed", device="cpu", policy=AutocastPolicy("bf16"))  # agrees
-
-
-def _accelerate_refusals(rank: int, world: int, out: str) -> list[str]:
-    from accelerate import Accelerator
-
-    from distamp.integrations.accelerate import DistAMPAccelerator
-
-    messages = []
-    for mode in ("bf16", "no"):
-        try:
-            DistAMPAccelerator(mixed_precision=mode, cpu=True, policy=AutocastPolicy("fp16"))
-        except ValueError as exc:
-            messages.append(str(exc))
-    acc = DistAMPAccelerator(mixed_precision="bf16", cpu=True, policy=AutocastPolicy("bf16"))
-    assert isinstance(acc, Accelerator)
-    if importlib.util.find_spec("transformers") is not None:  # the same rule, as fp16=/bf16=
-        from transformers import TrainingArguments
-
-        from distamp.integrations.transformers import DistAMPTrainer
-
-        args = TrainingArguments(out, bf16=True, use_cpu=True, report_to=[])
-        try:
-            DistAMPTrainer(model=nn.Linear(4, 2), args=args, policy=AutocastPolicy("fp16"))
-        except ValueError as exc:
-            messages.append(str(exc))
-    return messages
-
-
-@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="needs accelerate")
-def test_accelerate_and_hf_trainer_refuse_a_policy_of_another_precision(tmp_path: Path) -> None:
-    (messages,) = run_ranks(_accelerate_refusals, 1, str(tmp_path), timeout=120)
-    assert "mixed_precision='bf16' trains in bf16" in messages[0], messages
-    assert "no loss scaling" in messages[0] and "same precision" in messages[0], messages
-    assert "mixed_precision='no' trains in fp32" in messages[1], messages
-    if importlib.util.find_spec("transformers") is not None:
-        assert len(messages) == 3 and "TrainingArguments" in messages[2], messages
-
-
 # ---- what setup() is given ----------------------------------------------------------------------
 
 
