@@ -205,6 +205,13 @@ def _parser() -> argparse.ArgumentParser:
         help="with --check: make the first diverging module fp32 and check again",
     )
     export.add_argument(
+        "--precision",
+        choices=("fp32", "fp16", "bf16"),
+        default=None,
+        help="export in this precision instead of the trained one (e.g. fp16 or fp32 for "
+        "ONNX, whose CPU runtime has no bf16 kernels); default: the trained precision",
+    )
+    export.add_argument(
         "--max-batch",
         type=int_arg(2),
         default=1024,

@@ -37,6 +37,7 @@ from distamp.deploy import (
     precision_record,
     read_record,
     record_model,
+    require_runnable,
     require_target,
     save,
 )
@@ -219,6 +220,48 @@ def test_onnx_agrees_with_the_pt2_program(trained: dict[str, Any], tmp_path: Pat
         assert got.shape == want.shape
         assert float((got - want).abs().max()) <= 0.01 * float(want.abs().max())
     assert read_record(path)["runtime_check"]["runtime"].startswith("onnxruntime")
+
+
+def test_onnx_of_a_bf16_program_is_refused_before_anything_is_written(
+    trained: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ONNX Runtime's CPU provider has no bf16 Add: refused up front in one line naming the fix,
+    rather than a runtime traceback after model.onnx was written."""
+    with pytest.raises(ValueError, match=r"target 'onnx' cannot run a bf16 program.*Add.*--target"
+                       r" pt2.*--precision fp16 --target onnx"):  # fmt: skip
+        require_runnable("onnx", torch.bfloat16)
+    require_runnable("onnx", torch.float16)
+    require_runnable("pt2", torch.bfloat16)
+    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    pytest.importorskip("onnxscript", reason="the onnx extra is not installed")
+    x = trained["data"].batch(0)[0][:2]
+    with pytest.raises(ValueError, match="cannot run a bf16 program"):
+        save(distamp.export(trained["model"], (x,), policy="bf16"), tmp_path / "a.onnx",
+             target="onnx")  # fmt: skip
+    out = tmp_path / "model.onnx"
+    argv = ["export", str(trained["ckpt"]), "-o", str(out), "--target", "onnx"]
+    assert cli_main([*argv, "--precision", "bf16"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line, no traceback
+    assert err.startswith("distamp export: error: target 'onnx' cannot run a bf16 program"), err
+    assert list(tmp_path.iterdir()) == []  # neither model.onnx nor a record
+
+
+def test_export_names_a_missing_path_and_the_run_of_a_step_directory(
+    trained: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = trained["ckpt"]
+    step = next(ckpt.glob("step_*"))
+    cases = {
+        tmp_path / "no_such_run": f"{tmp_path / 'no_such_run'} does not exist",
+        step: f"{step} is one step of a checkpoint directory, not the directory itself: pass "
+        f"its parent {ckpt}",
+    }
+    for path, message in cases.items():
+        assert cli_main(["export", str(path), "-o", str(tmp_path / "m.pt2")]) == 1
+        err = capsys.readouterr().err
+        assert message in err and "latest.json is missing" not in err, err
+    assert not (tmp_path / "m.pt2").exists()
 
 
 class Overflow(nn.Module):

@@ -20,7 +20,14 @@ from distamp.deploy.checkpoints import (
 )
 from distamp.deploy.export import export, export_engine, precision_record
 from distamp.deploy.plan import ModuleDecision, PrecisionPlan
-from distamp.deploy.targets import RECORD_FILE, TARGETS, read_record, require_target, save
+from distamp.deploy.targets import (
+    RECORD_FILE,
+    TARGETS,
+    read_record,
+    require_runnable,
+    require_target,
+    save,
+)
 
 __all__ = [
     "MODEL_SPEC",
@@ -42,6 +49,7 @@ __all__ = [
     "precision_record",
     "read_record",
     "record_model",
+    "require_runnable",
     "require_target",
     "save",
 ]

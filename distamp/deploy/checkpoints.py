@@ -32,8 +32,9 @@ from torch import nn
 from distamp.deploy.check import Tolerance
 from distamp.deploy.export import annotate_record, export
 from distamp.deploy.plan import adaptive_changes
-from distamp.deploy.targets import require_target, save
+from distamp.deploy.targets import require_runnable, require_target, save
 from distamp.engine.checkpoint import MANIFEST, CheckpointError, latest_checkpoint
+from distamp.engine.checkpoint_layout import refuse_foreign
 from distamp.precision.policy import AutocastPolicy
 
 __all__ = [
@@ -196,8 +197,16 @@ def _read_spec(root: Path) -> ModelSpec:
 
 
 def _latest(root: Path) -> Path:
+    """The checkpoint to export; a path that is not a run directory is named for what it is
+    (missing, a file, one step of a run: pass its parent), not as a run without a manifest."""
     path = latest_checkpoint(root)
+    if path is None and not root.exists():
+        raise CheckpointError(
+            f"{root} does not exist: pass the directory a training run saved to "
+            "(launch/train.py prints it: runs/<start time>, or its --out DIR)"
+        )
     if path is None:
+        refuse_foreign(root)  # a file, a step directory, a bare DCP directory
         raise CheckpointError(
             f"{root} holds no checkpoint ({MANIFEST} is missing): pass the directory a training "
             "run saved to (launch/train.py --out DIR, or DistAMP.save_state(DIR))"
@@ -279,6 +288,7 @@ def export_checkpoint(
     tolerance: Tolerance | None = None,
     max_batch: int = 1024,
     seed: int = 0,
+    precision: str | None = None,
 ) -> Path:
     """Export the latest checkpoint of ``directory`` to ``output`` (``distamp export``).
 
@@ -291,21 +301,27 @@ def export_checkpoint(
             (0: no check); see :func:`distamp.export`.
         auto_islands, tolerance: as :func:`distamp.export`'s.
         seed: of the random example and check inputs.
+        precision: export in this precision instead of the trained one (``"fp32"`` always
+            holds; ``"fp16"`` for a target without bf16 kernels, with ``check``); its
+            default policy, with the checkpoint's adaptive promotions.
 
     Returns:
         The file written (its precision record is ``output + ".json"``).
 
     Raises:
         CheckpointError: see :func:`load_model`. And the refusals of
-            :func:`~distamp.deploy.targets.require_target` (first) and :func:`distamp.export`.
+            :func:`~distamp.deploy.targets.require_target` (first),
+            :func:`~distamp.deploy.targets.require_runnable` (before exporting) and
+            :func:`distamp.export`.
     """
     require_target(target)
     model, spec, trainer = load_model(directory)
-    precision = str(trainer.get("precision") or spec.precision)
+    policy = spec.policy_for(precision or str(trainer.get("precision") or spec.precision))
+    require_runnable(target, policy.compute_dtype or torch.float32)
     program = export(
         model,
         spec.example_inputs(1, seed),
-        policy=spec.policy_for(precision),
+        policy=policy,
         promotions=adaptive_changes(trainer),
         dynamic_shapes="batch",
         max_batch=max_batch,

@@ -22,7 +22,7 @@ __all__ = ["run_export"]
 
 def run_export(args: argparse.Namespace) -> int:
     """Run ``distamp export`` with parsed ``args`` (checkpoint, output, target, check,
-    auto_islands, max_batch); returns the exit code."""
+    auto_islands, max_batch, precision); returns the exit code."""
     try:
         path = export_checkpoint(
             args.checkpoint,
@@ -31,6 +31,7 @@ def run_export(args: argparse.Namespace) -> int:
             check=args.check,
             auto_islands=args.auto_islands,
             max_batch=args.max_batch,
+            precision=args.precision,
         )
     except (CheckpointError, ExportCheckError, ImportError, ValueError, RuntimeError) as exc:
         print(f"distamp export: error: {exc}", file=sys.stderr)

@@ -35,7 +35,14 @@ from distamp.deploy.export import precision_record
 from distamp.torch_compat import aoti_compile_and_package, aoti_load_package
 from distamp.versions import check_version
 
-__all__ = ["RECORD_FILE", "TARGETS", "read_record", "require_target", "save"]
+__all__ = [
+    "RECORD_FILE",
+    "TARGETS",
+    "read_record",
+    "require_runnable",
+    "require_target",
+    "save",
+]
 
 TARGETS: tuple[str, ...] = ("pt2", "aoti", "onnx", "pte")
 """The targets :func:`save` writes (see the module docstring)."""
@@ -43,6 +50,15 @@ TARGETS: tuple[str, ...] = ("pt2", "aoti", "onnx", "pte")
 RECORD_FILE = "distamp_precision.json"
 """The precision record's name inside a ``.pt2`` archive (``extra_files``)."""
 
+# What a target's runtime cannot compute, with why: found when the file is loaded back, after
+# it is written and with a runtime's traceback, unless refused before.
+_NO_KERNELS: dict[str, dict[torch.dtype, str]] = {
+    "onnx": {
+        torch.bfloat16: "ONNX Runtime's CPU provider has no bf16 kernel for the graph's "
+        "additions (Add), so a bf16 program does not load there",
+    },
+}
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _PACKAGES = {"onnx": ("onnx", "onnxscript", "onnxruntime"), "pte": ("executorch",)}
 _CXX = ("g++", "c++", "clang++")
 
@@ -77,6 +93,34 @@ def require_target(target: str) -> None:
                 else ""
             )
             raise ImportError(f"target {target!r} needs {package}: {exc}{note}") from None
+
+
+def require_runnable(target: str, dtype: torch.dtype) -> None:
+    """Refuse ``target`` for a program that computes in ``dtype`` when the target's runtime has
+    no kernels for it; changes nothing.
+
+    Raises:
+        ValueError: ``"onnx"`` and bf16 (also fp8 training, exported in bf16); the message
+            names the runtime's gap and the fix: another target, or fp16/fp32 for ONNX.
+    """
+    why = _NO_KERNELS.get(target, {}).get(dtype)
+    if why is not None:
+        raise ValueError(
+            f"target {target!r} cannot run a {_SHORT.get(dtype, str(dtype))} program: {why}. "
+            "Export it for 'pt2' or 'aoti' (distamp export ... --target pt2), which run bf16, "
+            "or in fp16 or fp32 for ONNX (distamp export ... --precision fp16 --target onnx; "
+            "distamp.export(..., policy='fp16'))"
+        )
+
+
+def _dtypes(program: torch.export.ExportedProgram) -> set[torch.dtype]:
+    """Every dtype a value of ``program``'s graph has (its parameters, inputs and the results
+    of its casts): what its runtime must compute in."""
+    found = set()
+    for node in program.graph.nodes:
+        for value in _outputs(node.meta.get("val")):
+            found.add(value.dtype)
+    return found
 
 
 def _outputs(value: Any) -> list[torch.Tensor]:
@@ -154,10 +198,13 @@ def save(
         The path written.
 
     Raises:
-        ValueError, ImportError, RuntimeError: :func:`require_target`'s refusals, and an
-            AOTInductor package not named ``*.pt2``; before anything is written.
+        ValueError, ImportError, RuntimeError: :func:`require_target`'s and
+            :func:`require_runnable`'s refusals, and an AOTInductor package not named
+            ``*.pt2``; before anything is written.
     """
     require_target(target)
+    for dtype in sorted(_dtypes(program), key=str):
+        require_runnable(target, dtype)
     path = Path(path)
     if target == "aoti" and path.suffix != ".pt2":
         raise ValueError(
@@ -167,15 +214,21 @@ def save(
     path.parent.mkdir(parents=True, exist_ok=True)
     record = precision_record(program) or {}
     record["target"] = target
-    with torch.no_grad():
-        if target == "pt2":
-            torch.export.save(program, path, extra_files={RECORD_FILE: json.dumps(record)})
-        elif target == "aoti":
-            record["runtime_check"] = _write_aoti(program, path)
-        elif target == "onnx":
-            record["runtime_check"] = _write_onnx(program, path)
-        else:
-            record["runtime_check"] = _write_pte(program, path)
+    try:
+        with torch.no_grad():
+            if target == "pt2":
+                torch.export.save(program, path, extra_files={RECORD_FILE: json.dumps(record)})
+            elif target == "aoti":
+                record["runtime_check"] = _write_aoti(program, path)
+            elif target == "onnx":
+                record["runtime_check"] = _write_onnx(program, path)
+            else:
+                record["runtime_check"] = _write_pte(program, path)
+    except BaseException:
+        # A file its runtime failed to load or run is no deliverable: nothing is left that
+        # lacks its record.
+        path.unlink(missing_ok=True)
+        raise
     path.with_name(path.name + ".json").write_text(json.dumps(record, indent=2) + "\n")
     return path
 
