@@ -11,9 +11,13 @@ import argparse
 import contextlib
 import io
 import os
+import shlex
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+import torch
 
 from distamp import (
     AC_MODES,
@@ -25,6 +29,7 @@ from distamp import (
     parse_precision,
 )
 from distamp.cli import int_arg, real_arg
+from distamp.deploy import require_runnable
 from launch.model import DATA_FILE, SIZES
 
 __all__ = ["COMPILE_BACKENDS", "SUMMARY_FIELDS", "parse"]
@@ -182,9 +187,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                 f"got {args.stop_at}"
             )
         try:
-            world = detect_environment().world_size  # pure: reads the launcher's variables
+            found = detect_environment()  # pure: reads the launcher's variables
         except ValueError as exc:
             p.error(f"launcher environment: {exc}")
+        world = found.world_size
+        if found.launcher == "single" and args.strategy not in ("auto", "none"):
+            p.error(_needs_launcher(args.strategy, sys.argv[1:] if argv is None else argv))
         _check_comm_hook(p, args, world)
         if args.compile_backend is not None and not args.compile:
             p.error(
@@ -198,6 +206,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                 f"argument --export: --strategy {args.strategy} shards the model, so no rank "
                 "holds it whole; pass --out DIR and run distamp export DIR -o PATH"
             )
+        if args.export is not None and args.export.suffix == ".onnx":
+            _check_onnx(p, args.export, args.precision)
         _check_data(p, args.data, args.batch_size * world + SIZES[args.size].context + 1)
     return args
 
@@ -222,6 +232,18 @@ def _one_voice_per_node(local_rank: int | None) -> Iterator[None]:
         raise
 
 
+def _needs_launcher(strategy: str, argv: list[str]) -> str:
+    """The usage error of a --strategy that needs a process group, started without a launcher
+    (one plain process has none): the command that starts the same run on 2 ranks."""
+    script = os.path.relpath(Path(__file__).with_name("train.py"))
+    command = shlex.join(["distamp", "launch", "--nproc-per-node", "2", script, *argv])
+    return (
+        f"argument --strategy: {strategy} runs on 2 or more ranks, and this is one process "
+        f"started without a launcher; start it with:\n  {command}\n(or --strategy none for "
+        "one process)"
+    )
+
+
 def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
     """--out must be a directory, or a path whose nearest existing ancestor is a writable
     directory (the run creates the rest): found now, not after training at the first save."""
@@ -237,6 +259,19 @@ def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
         )
     if not os.access(base, os.W_OK | os.X_OK):
         p.error(f"argument --out: {str(out)!r} cannot be created: {str(base)!r} is not writable")
+
+
+def _check_onnx(p: argparse.ArgumentParser, path: Path, precision: str) -> None:
+    """--export PATH.onnx in bf16 (fp8 exports in bf16): ONNX Runtime cannot load it, which
+    would surface as its traceback after training; refused before."""
+    try:
+        require_runnable("onnx", parse_precision(precision).compute_dtype or torch.float32)
+    except ValueError:
+        p.error(
+            f"argument --export: {str(path)!r} is an ONNX model, and ONNX Runtime's CPU provider "
+            f"cannot run a --precision {precision} program (no bf16 kernels); pass "
+            f"{str(path.with_suffix('.pt2'))!r}, or --precision fp16 or fp32 for ONNX"
+        )
 
 
 def _check_data(p: argparse.ArgumentParser, path: Path, needed: int) -> None:

@@ -279,3 +279,44 @@ def test_recipe_flags_parse_and_refuse_unknown_values() -> None:
         message = stderr.getvalue().splitlines()[-1]
         assert exc.value.code == 2 and f"error: argument {flag}: " in message, message
         assert why in message and all(value in message for value in allowed), message
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_multi_rank_strategy_without_a_launcher_is_a_usage_error_with_the_command(
+    strategy: str,
+) -> None:
+    """One plain process has no process group: a usage error (exit 2) that shows the
+    ``distamp launch`` line starting the same run (the user's arguments kept), not the
+    engine's traceback about init_distributed()."""
+    argv = ["--strategy", strategy, "--steps", "5", "--data", "my play.txt"]
+    done = subprocess.run(
+        [sys.executable, "launch/train.py", *argv],
+        cwd=REPO, env=launcher_free_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "init_distributed" not in done.stderr
+    line = (
+        f"distamp launch --nproc-per-node 2 launch/train.py --strategy {strategy} --steps 5 "
+        "--data 'my play.txt'"  # quoted as a shell needs it
+    )
+    assert f"error: argument --strategy: {strategy} runs on 2 or more ranks" in done.stderr
+    assert f"\n  {line}\n" in done.stderr, done.stderr
+    assert not done.stdout.strip()
+
+
+def test_export_to_onnx_in_bf16_is_a_usage_error_before_training() -> None:
+    """ONNX Runtime cannot run a bf16 program: --export PATH.onnx with --precision bf16 (or fp8,
+    exported in bf16) stops the parser, with the fix, instead of failing after training."""
+    import contextlib
+    import io
+
+    from launch.train import parse
+
+    for precision in ("bf16", "fp8"):
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exc:
+            parse(["--precision", precision, "--export", "m.onnx"])
+        message = stderr.getvalue().splitlines()[-1]
+        assert exc.value.code == 2 and "error: argument --export: 'm.onnx'" in message, message
+        assert "pass 'm.pt2', or --precision fp16 or fp32 for ONNX" in message, message
+    assert parse(["--precision", "fp16", "--export", "m.onnx"]).export == Path("m.onnx")
