@@ -26,6 +26,7 @@ from distamp.engine import DistAMP
 from distamp.engine.checkpoint import CheckpointError
 from distamp.engine.config import check_settings
 from distamp.observe.metrics import StepResult, WindowStats
+from distamp.observe.telemetry import Telemetry
 from distamp.observe.writers import ProgressPrinter, make_writer
 from distamp.parallel.recompute import AC_MODES, apply_activation_checkpointing, compile_blocks
 from distamp.parallel.strategies import COMM_HOOKS, STRATEGIES
@@ -66,8 +67,9 @@ __all__ = [
     "detect_environment",
     "init_distributed",
     "shutdown_distributed",
-    # metrics
+    # metrics, and per-module telemetry (what `distamp report` draws)
     "ProgressPrinter",
+    "Telemetry",
     "WindowStats",
     "make_writer",
     # errors

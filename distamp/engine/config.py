@@ -36,6 +36,7 @@ import torch
 
 from distamp.agreement.replicas import is_ft_manager
 from distamp.arguments import INT32_MAX, ArgumentTypeError, as_integer, as_real
+from distamp.observe.telemetry import Telemetry
 from distamp.parallel.ddp import ddp_options
 from distamp.parallel.strategies import COMM_HOOKS, SHARDED, STRATEGIES
 from distamp.precision.policy import AutocastPolicy, Precision, PrecisionLike, parse_precision
@@ -83,6 +84,7 @@ class AMPConfig:
     trace_nonfinite: bool = False
     numerics_interval: int | None = None
     ddp_kwargs: Mapping[str, Any] | None = None
+    telemetry: Telemetry | None = None
 
     def __post_init__(self) -> None:
         for flag in ("trust_ddp_sync", "trace_nonfinite"):
@@ -97,6 +99,16 @@ class AMPConfig:
             object.__setattr__(self, "numerics_interval", k)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is not one of {STRATEGIES}")
+        if self.telemetry is not None:
+            if not isinstance(self.telemetry, Telemetry):
+                raise ValueError(
+                    f"telemetry={self.telemetry!r:.80} must be a distamp.Telemetry (or None)"
+                )
+            if self.precision.compute_dtype is None:
+                raise ValueError(
+                    f"telemetry with precision={self.precision.name!r}: it samples fp16, bf16 "
+                    "or fp8 training (fp32 has no format limit to watch); drop it for fp32"
+                )
         if self.policy is not None:
             if not isinstance(self.policy, AutocastPolicy):
                 raise ValueError(

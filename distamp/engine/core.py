@@ -46,6 +46,7 @@ from distamp.engine.wrapping import (
 from distamp.observe.diagnostics import NonFiniteTracer
 from distamp.observe.metrics import Metrics, StepResult
 from distamp.observe.numerics import NumericStats
+from distamp.observe.telemetry import Telemetry
 from distamp.parallel.strategies import gradient_sync_disabled
 from distamp.precision.adaptive_run import AdaptiveRun
 from distamp.precision.fp8 import Float8Training
@@ -106,6 +107,10 @@ class DistAMP(EnginePersistence, RunLoop):
         ddp_kwargs: options for the ``DistributedDataParallel`` the engine builds (strategy
             "ddp", or "auto" on several ranks), e.g. ``{"find_unused_parameters": True}`` for a
             model whose forward skips parameters; the keys: ``distamp.parallel.ddp.DDP_KWARGS``.
+        telemetry: a :class:`~distamp.Telemetry` that keeps every numeric-monitor report per
+            rank (``DIR/telemetry/rank<r>.jsonl``, plus its writers), the monitor then running
+            every ``telemetry.interval`` steps unless ``numerics_interval`` says otherwise; what
+            ``distamp report DIR`` draws (:mod:`distamp.observe.telemetry`).
 
     Raises:
         ValueError: a bad setting; the message names the field and echoes the value.
@@ -151,6 +156,7 @@ class DistAMP(EnginePersistence, RunLoop):
         trust_ddp_sync: bool = False,
         ft_manager: Any = None,
         ddp_kwargs: Mapping[str, Any] | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.config = make_config(
             precision, policy=policy, timeout=timeout, device=device, strategy=strategy,
@@ -158,7 +164,7 @@ class DistAMP(EnginePersistence, RunLoop):
             grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm, scaler=scaler,
             trust_ddp_sync=trust_ddp_sync, ft_manager=ft_manager,
             trace_nonfinite=trace_nonfinite, numerics_interval=numerics_interval,
-            ddp_kwargs=ddp_kwargs,
+            ddp_kwargs=ddp_kwargs, telemetry=telemetry,
         )  # fmt: skip
         self.strategy, self.mp_owner, self.device = strategy, "none", torch.device("cpu")
         self.scaler = scaler if scaler is not None else DistributedGradScaler("cpu", enabled=False)

@@ -44,19 +44,27 @@ def build_adaptive(
 ) -> AdaptiveRun | None:
     """The numeric monitor and adaptive rules over ``model`` (the unwrapped one: its module
     names), watching ``scaler``'s steps from ``step`` on; ``None`` when the policy asks for
-    neither and no ``numerics_interval`` is set. ``job``: every stage's modules, so that name
-    patterns match across pipeline stages; ``stages``: this rank's pipeline stages, if any
-    (one at most with a monitor: the first's index places this rank in the job's segments)."""
+    neither and no ``numerics_interval`` or ``telemetry`` is set (without a
+    ``numerics_interval``, the telemetry's interval is the monitor's). ``job``: every stage's
+    modules, so that name patterns match across pipeline stages; ``stages``: this rank's
+    pipeline stages, if any (one at most with a monitor: the first's index places this rank in
+    the job's segments)."""
+    interval = cfg.numerics_interval
+    if interval is None and cfg.telemetry is not None:
+        interval = cfg.telemetry.interval
     with job_modules(job):
-        return AdaptiveRun.build(
+        run = AdaptiveRun.build(
             model,
             precision=cfg.precision,
             policy=cfg.policy,
             scaler=scaler,
-            interval=cfg.numerics_interval,
+            interval=interval,
             step=step,
             stage=stages[0].stage_index if stages else None,
         )
+    if run is not None:
+        run.telemetry = cfg.telemetry  # every report kept, per rank
+    return run
 
 
 def detach_instruments(
@@ -69,3 +77,5 @@ def detach_instruments(
         scaler.attach_tracer(None)
     if adaptive is not None:
         adaptive.close()
+        if adaptive.telemetry is not None:
+            adaptive.telemetry.close()  # its writers' files

@@ -131,6 +131,13 @@ class NumericMonitor:
         watch: module name patterns (``fnmatch``) to watch; default: every module with
             parameters of its own.
         step: the step count to start from (a resumed run).
+
+    Attributes:
+        latest: the last agreed report (identical on every rank).
+        latest_local: the same report with this rank's own headroom, underflow and fp8 flush,
+            before the ranks' maximum or mean (the skips are the agreed ones): where one rank's
+            data runs hotter than its peers', the agreed numbers hide which rank it is, and
+            per-rank telemetry (:mod:`distamp.observe.telemetry`) keeps both.
     """
 
     def __init__(
@@ -196,7 +203,9 @@ class NumericMonitor:
         self._agreed_stats: torch.Tensor | None = None  # [M + P] agreed headroom, underflow
         self._firsts: list[torch.Tensor] = []  # per step of the window: blamed module or -1
         self._sent = False
+        self._local_stats: torch.Tensor | None = None  # [M + P + F] this rank's, before agreeing
         self.latest: NumericStats | None = None
+        self.latest_local: NumericStats | None = None
         # Pipeline stages: set when this step's skip lies in an earlier stage (then blame none)
         self.blamed_upstream: torch.Tensor | None = None
         self._handles = [
@@ -316,7 +325,9 @@ class NumericMonitor:
         if under is None:
             under = torch.zeros(len(self.params), device=bad.device)
         flush = self._flush if self._flush is not None else torch.zeros(len(self._fp8))
-        return torch.cat([bad, amax, under.to(bad.device), flush.to(bad.device)])
+        stats = torch.cat([amax, under.to(bad.device), flush.to(bad.device)])
+        self._local_stats = stats  # kept apart: the collective reduces a copy of the payload
+        return torch.cat([bad, stats])
 
     def deliver(self, reduced: torch.Tensor, op: str, ranks: int) -> None:
         """The scaler's rider protocol: the payload, reduced over the agreeing ranks."""
@@ -366,29 +377,36 @@ class NumericMonitor:
         return self._report()
 
     def _report(self) -> NumericStats:
-        m, start = len(self.modules), self.step - len(self._firsts)
+        start = self.step - len(self._firsts)
         firsts = torch.stack(self._firsts).tolist() if self._firsts else []  # host sync
         skips = tuple(
             (start + k + 1, None if i < 0 else self.names[i])
             for k, i in enumerate(firsts)
             if i != -2
         )
-        headroom: dict[str, float] = {}
-        underflow: dict[str, float] = {}
-        flush: dict[str, float] = {}
-        if self._agreed_stats is not None:
-            values = self._agreed_stats.tolist()  # host sync, reporting steps only
-            fmax = self._fmax.tolist()
-            headroom = {n: values[i] / fmax[i] for i, n in enumerate(self.names)}
-            underflow = {n: values[m + j] for j, (n, _) in enumerate(self.params)}
-            base = m + len(self.params)
-            flush = {self.names[i]: values[base + k] for k, i in enumerate(self._fp8)}
+        headroom, underflow, flush = self._named(self._agreed_stats)
         self.latest = NumericStats(self.step, headroom, underflow, skips, flush)
+        mine = self._named(self._local_stats)  # this rank's own numbers, before agreeing
+        self.latest_local = NumericStats(self.step, mine[0], mine[1], skips, mine[2])
         self._firsts, self._agreed_stats, self._underflow = [], None, None
-        self._flush = None
+        self._flush, self._local_stats = None, None
         if self._window_amax is not None:
             self._window_amax.zero_()
         return self.latest
+
+    def _named(
+        self, stats: torch.Tensor | None
+    ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """``(headroom, underflow, fp8_flush)`` by name from a ``[M + P + F]`` statistics
+        vector (host sync); empty dicts for ``None``."""
+        if stats is None:
+            return {}, {}, {}
+        m, values, fmax = len(self.modules), stats.tolist(), self._fmax.tolist()
+        headroom = {n: values[i] / fmax[i] for i, n in enumerate(self.names)}
+        underflow = {n: values[m + j] for j, (n, _) in enumerate(self.params)}
+        base = m + len(self.params)
+        flush = {self.names[i]: values[base + k] for k, i in enumerate(self._fp8)}
+        return headroom, underflow, flush
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

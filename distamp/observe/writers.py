@@ -9,7 +9,9 @@ in :mod:`distamp.observe.metrics`, and a writer only formats them.
 
 - :class:`ConsoleWriter`: a progress line on stderr;
 - :class:`JSONLWriter`: one JSON object per window in a file (default, no dependency);
-- :class:`TensorBoardWriter`: one scalar per figure (optional dependency).
+- :class:`TensorBoardWriter`: one scalar per figure, histograms of per-module telemetry
+  (optional dependency);
+- :class:`WandbWriter`: the same for Weights & Biases, offline by default (optional dependency).
 
 :class:`ProgressPrinter` bundles a console line and an optional JSONL file for the engine's
 ``on_log``/``on_step`` callbacks. Writers write on rank 0 only by default: every rank holds the
@@ -23,7 +25,7 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, Literal, Protocol, TextIO
 
 import torch.distributed as dist
 
@@ -35,6 +37,7 @@ __all__ = [
     "MetricsWriter",
     "ProgressPrinter",
     "TensorBoardWriter",
+    "WandbWriter",
     "Window",
     "make_writer",
 ]
@@ -215,6 +218,15 @@ class TensorBoardWriter:
                 continue
             self._writer.add_scalar(f"{self.prefix}/{name}", float(value), global_step=int(step))
 
+    def write_histogram(self, step: int, name: str, values: Sequence[float]) -> None:
+        """One histogram (e.g. every module's headroom at a telemetry sample)."""
+        if self._writer is None or not values:
+            return
+        import numpy as np
+
+        data = np.asarray(values, dtype=np.float64)
+        self._writer.add_histogram(f"{self.prefix}/{name}", data, global_step=int(step))
+
     def close(self) -> None:
         """Flush and close the event file."""
         if self._writer is not None:
@@ -222,9 +234,86 @@ class TensorBoardWriter:
             self._writer = None
 
 
+class WandbWriter:
+    """Numbers and telemetry histograms to a Weights & Biases run, offline by default.
+
+    Offline (``mode="offline"``) writes the run under ``directory/wandb`` and needs no account
+    nor network: a cluster's compute nodes rarely reach the internet, so the run is synced later
+    from a login node with ``wandb sync DIR/wandb/offline-run-*``. ``None`` and non-numeric
+    values are left out, as for TensorBoard.
+
+    Args:
+        directory: where W&B keeps the run.
+        project: the W&B project name.
+        mode: ``"offline"`` (default), ``"online"`` or ``"disabled"``.
+        rank_zero_only: write only on rank 0 (other ranks do not even import wandb).
+        **init: passed on to ``wandb.init`` (``name``, ``config``, ``tags``...).
+
+    Raises:
+        ImportError: wandb is not installed; the message gives the install command.
+        ValueError: ``mode`` is not one of the three.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        project: str = "distamp",
+        mode: Literal["offline", "online", "disabled"] = "offline",
+        rank_zero_only: bool = True,
+        **init: Any,
+    ) -> None:
+        if mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"WandbWriter(mode={mode!r}): use 'offline', 'online' or 'disabled'")
+        self._run: Any = None
+        if not _is_writer_rank(rank_zero_only):
+            return
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(
+                "WandbWriter needs the wandb package: pip install -e '.[wandb]' from a distamp "
+                "checkout (or use the default JSONLWriter)"
+            ) from e
+        self._wandb = wandb
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        settings = wandb.Settings(silent=True, x_disable_stats=True)
+        self._run = wandb.init(
+            project=project, dir=str(directory), mode=mode, settings=settings, **init
+        )
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The folder of this rank's run (``None`` on ranks that do not write)."""
+        return None if self._run is None else Path(self._run.dir).parent
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if self._run is None:
+            return
+        numbers = {
+            k: float(v)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        self._run.log(numbers, step=int(step))
+
+    def write_histogram(self, step: int, name: str, values: Sequence[float]) -> None:
+        """One histogram (e.g. every module's headroom at a telemetry sample)."""
+        if self._run is None or not values:
+            return
+        self._run.log({name: self._wandb.Histogram(list(values))}, step=int(step))
+
+    def close(self) -> None:
+        """Finish the run (flushes it to ``directory/wandb``)."""
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
 def make_writer(kind: str = "jsonl", path: str | Path = "metrics.jsonl") -> MetricsWriter:
-    """Build a writer by name: ``"jsonl"`` (``path`` is the file), ``"tensorboard"``
-    (``path`` is the log folder) or ``"console"`` (stderr; ``path`` is not used).
+    """Build a writer by name: ``"jsonl"`` (``path`` is the file), ``"tensorboard"`` or
+    ``"wandb"`` (``path`` is the log folder; W&B offline) or ``"console"`` (stderr; ``path`` is
+    not used).
 
     Raises:
         ValueError: an unknown ``kind``.
@@ -235,8 +324,10 @@ def make_writer(kind: str = "jsonl", path: str | Path = "metrics.jsonl") -> Metr
         return TensorBoardWriter(path)
     if kind == "console":
         return ConsoleWriter()
+    if kind == "wandb":
+        return WandbWriter(path)
     raise ValueError(
-        f"kind={kind!r} is not a metrics writer: use 'jsonl', 'tensorboard' or 'console'"
+        f"kind={kind!r} is not a metrics writer: use 'jsonl', 'tensorboard', 'wandb' or 'console'"
     )
 
 

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from distamp.agreement.scale_reads import current_loss_scale
 from distamp.observe.numerics import NumericMonitor, NumericStats
+from distamp.observe.telemetry import Telemetry
 from distamp.precision.adaptive import AdaptivePrecision, PrecisionChange
 from distamp.precision.backward_scales import BackwardScaleChange, BackwardScales
 from distamp.precision.pipeline_riders import StageSegments, gather_stage_states
@@ -156,6 +158,8 @@ class AdaptiveRun:
             step=step,
         )
         self.scaler, self.model = scaler, model
+        # Where each report is kept, per rank (distamp.observe.telemetry); set by the owner.
+        self.telemetry: Telemetry | None = None
         self.changes: list[Change] = []  # every change made or replayed, in order
         self._taken: dict[str, int] = {}  # reader -> how many take_changes() handed it
         self._riders: _StepRiders | None = None
@@ -289,6 +293,15 @@ class AdaptiveRun:
         for change in made:
             _log.info("%s", change)
         self.changes.extend(made)
+        if self.telemetry is not None:  # a reporting step: the report is on the host already
+            scale = current_loss_scale(self.scaler)
+            self.telemetry.record(
+                stats,
+                self.monitor.latest_local,
+                loss_scale=1.0 if scale is None else float(scale),
+                grad_exponents=self.grad_exponents,
+                changes=made,
+            )
         return made
 
     def take_changes(self, reader: str = "log") -> list[Change]:
