@@ -225,3 +225,24 @@ def test_readme_links_resolve() -> None:
     for target in re.findall(r"\]\(([^)#]+?)(?:#[^)]*)?\)", readme):
         if "://" not in target:
             assert (ROOT / target).exists(), f"README links to a missing file: {target}"
+
+
+@pytest.mark.parametrize(
+    ("page", "heading", "prefix"),
+    [
+        ("docs/index.md", "## Where things are", "guides/"),
+        ("README.md", "## Documentation", "docs/guides/"),
+    ],
+)
+def test_every_guide_is_listed_where_the_guides_are_listed(
+    page: str, heading: str, prefix: str
+) -> None:
+    """A newcomer finds the guides from these lists: a guide missing there is not found."""
+    text = (ROOT / page).read_text(encoding="utf-8")
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    missing = [
+        guide.name
+        for guide in sorted((ROOT / "docs" / "guides").glob("*.md"))
+        if f"]({prefix}{guide.name}" not in section
+    ]
+    assert not missing, f"{page} ({heading}) does not list {missing}"
