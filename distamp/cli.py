@@ -1,5 +1,6 @@
 """The ``distamp`` command's parser: ``launch`` starts a script on N processes, ``env`` reports
-the setup, ``versions`` prints the verified releases, ``export`` writes a trained checkpoint for
+the setup, ``versions`` prints the verified releases, ``report`` draws a run's precision
+(:mod:`distamp.observe.report`), ``export`` writes a trained checkpoint for
 inference (:mod:`distamp.deploy.command`).
 
 Only the parser and the argument checks live here. What a launch starts and how is
@@ -182,6 +183,17 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "versions", help="print the verified releases of torch and each framework (Markdown)"
     )
+    draw = sub.add_parser(
+        "report",
+        help="draw a run's precision (loss, scale, skips, per-module headroom and underflow, "
+        "precision changes, fp8 layers, bytes) as one self-contained HTML page",
+        allow_abbrev=False,
+    )
+    draw.add_argument("run", metavar="DIR", help="the run folder (the main job's --out DIR)")
+    draw.add_argument(
+        "-o", "--output", metavar="FILE.html", help="the page to write (default DIR/report.html)"
+    )
+    draw.add_argument("--png", metavar="DIR", help="also write each figure as DIR/<name>.png")
     export = sub.add_parser(
         "export",
         help="export a trained checkpoint for inference in its trained precision",
@@ -285,6 +297,24 @@ def _launch(args: argparse.Namespace) -> int:
     return run_launch(spec, cmd, grace_s=args.grace_period)
 
 
+def _report(args: argparse.Namespace) -> int:
+    """``distamp report``: the page written and its headline figures; a folder that is not a
+    run is a usage error (exit 2) saying what it lacks."""
+    from distamp.observe.report import ReportError, load_run, summary, write_report
+
+    try:
+        page = write_report(args.run, args.output, png=args.png)
+    except ReportError as exc:
+        print(f"distamp report: {exc}", file=sys.stderr)
+        return 2
+    headline = summary(load_run(args.run)).items()
+    figures = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in headline)
+    print(f"wrote {page} ({figures})")
+    if args.png:
+        print(f"figures as PNG in {args.png}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``distamp`` console script; returns the process exit code."""
     try:
@@ -298,6 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from distamp.deploy.command import run_export
 
             return run_export(args)
+        if args.command == "report":
+            return _report(args)
     except SystemExit as exc:  # --help, --version and usage errors: argparse already printed
         return exc.code if isinstance(exc.code, int) else 2
     report = environment_report()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,3 +54,14 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def telemetry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """One 2-rank run with telemetry and metrics (tests/telemetry_scenarios.py), trained once
+    and read by the telemetry and the run report's tests: ``(run folder, per-rank results)``."""
+    import telemetry_scenarios
+    from _dist import run_ranks
+
+    out = tmp_path_factory.mktemp("telemetry_run")
+    return out, run_ranks(telemetry_scenarios.train, 2, str(out), timeout=240)

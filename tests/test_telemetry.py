@@ -1,10 +1,6 @@
 """Per-module telemetry (distamp.observe.telemetry): every rank keeps its own numbers next to the
-agreed ones, the writers get scalars and histograms, and bad settings are refused.
-
-The run: two gloo ranks under DDP, fp16 with an adaptive policy, where only rank 1's data
-overflows inside ``hot.fc`` (tests/adaptive_scenarios.py): rank 1's own headroom there is
-infinite while rank 0's is finite, the agreed one infinite, the skips are blamed on the module,
-and its promotion to fp32 is an event of the record that made it.
+agreed ones, the writers get scalars and histograms, and bad settings are refused. The run is
+tests/telemetry_scenarios.py's (the ``telemetry_run`` fixture).
 """
 
 from __future__ import annotations
@@ -13,63 +9,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-import adaptive_scenarios as sc
 import pytest
-import torch
-import torch.nn.functional as F
-from _dist import run_ranks
+from telemetry_scenarios import HOT, INTERVAL, STEPS
 
 import distamp
-from distamp import AutocastPolicy
 from distamp.observe.telemetry import Telemetry, TelemetryRecord, read_telemetry
-from distamp.observe.writers import ProgressPrinter, TensorBoardWriter, WandbWriter
-from distamp.precision.adaptive import AdaptiveRules
+from distamp.observe.writers import WandbWriter
 
-STEPS, INTERVAL = 24, 4
-HOT = "hot.fc"  # the module whose fp16 output overflows on rank 1's data
-RULES = AdaptiveRules(interval=INTERVAL, skips=2, window=8, max_promoted_fraction=0.5)
-
-
-def _train(rank: int, world: int, out: str) -> dict[str, Any]:
-    torch.manual_seed(0)
-    writers: list[Any] = [TensorBoardWriter(Path(out) / "tb")]
-    if rank == 0:
-        writers.append(WandbWriter(Path(out), project="distamp-test"))
-    telemetry = Telemetry(out, interval=INTERVAL, writers=writers)
-    policy = AutocastPolicy("fp16", adaptive=RULES)
-    amp = distamp.DistAMP("fp16", strategy="ddp", policy=policy, telemetry=telemetry)
-    model = sc.Net("small")
-    amp.setup(model, sc.optimizer)
-    printer = ProgressPrinter(STEPS, jsonl=Path(out) / "metrics.jsonl") if rank == 0 else None
-
-    def loss_fn(net: Any, batch: Any) -> torch.Tensor:
-        x, y = batch
-        return F.mse_loss(net(x).float(), y)
-
-    amp.fit(
-        lambda k: sc.batch(k, rank),
-        loss_fn,
-        steps=STEPS,
-        log_interval=INTERVAL,
-        on_log=printer.log if printer is not None else None,
-    )
-    skipped = amp.scaler.skipped_steps
-    wandb_dir = str(writers[-1].run_dir) if rank == 0 else None
-    amp.close()
-    return {"records": telemetry.records, "skipped": skipped, "wandb": wandb_dir}
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    """One 2-rank run, shared by the tests below (and the report's tests read it too)."""
-    out = tmp_path_factory.mktemp("telemetry_run")
-    return out, run_ranks(_train, 2, str(out), timeout=240)
+Run = tuple[Path, list[dict[str, Any]]]
 
 
 def test_every_rank_keeps_its_own_numbers_next_to_the_agreed_ones(
-    run: tuple[Path, list[dict[str, Any]]],
+    telemetry_run: Run,
 ) -> None:
-    out, results = run
+    out, results = telemetry_run
     records = read_telemetry(out)
     assert sorted(records) == [0, 1]
     steps = [r.step for r in records[0]]
@@ -87,9 +40,9 @@ def test_every_rank_keeps_its_own_numbers_next_to_the_agreed_ones(
 
 
 def test_skips_blame_the_module_and_the_promotion_is_an_event(
-    run: tuple[Path, list[dict[str, Any]]],
+    telemetry_run: Run,
 ) -> None:
-    out, results = run
+    out, results = telemetry_run
     records = read_telemetry(out)[0]
     skips = [s for r in records for s in r.skips]
     assert len(skips) == results[0]["skipped"] == results[1]["skipped"] > 0
@@ -104,8 +57,8 @@ def test_skips_blame_the_module_and_the_promotion_is_an_event(
     assert all(r.loss_scale > 0 for r in records)
 
 
-def test_writers_get_scalars_and_histograms(run: tuple[Path, list[dict[str, Any]]]) -> None:
-    out, results = run
+def test_writers_get_scalars_and_histograms(telemetry_run: Run) -> None:
+    out, results = telemetry_run
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(out / "tb"), size_guidance={"histograms": 0, "scalars": 0})
