@@ -365,9 +365,13 @@ class DistributedGradScaler(
 
     def _rule(self) -> ScaleRule:
         return self._rules.get(
-            self._growth_factor, self._backoff_factor, self._growth_interval,
-            self._hysteresis, self._min_scale, self._max_scale,
-        )  # fmt: skip
+            self._growth_factor,
+            self._backoff_factor,
+            self._growth_interval,
+            self._hysteresis,
+            self._min_scale,
+            self._max_scale,
+        )
 
     @override
     def get_scale(self) -> float:
