@@ -32,8 +32,9 @@ from distamp.cli import int_arg, real_arg
 from distamp.deploy import require_runnable
 from launch.model import DATA_FILE, SIZES
 
-__all__ = ["COMPILE_BACKENDS", "SUMMARY_FIELDS", "parse"]
+__all__ = ["COMPILE_BACKENDS", "RUNS", "SUMMARY_FIELDS", "parse"]
 
+RUNS = Path("runs")  # where a run without --out is kept: runs/<start time> (launch/train.py)
 QUIET_RANK_WAIT_S = 20.0  # the longest a rank waits for local rank 0 to report a usage error
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 """``--compile-backend``: inductor is what a GPU run uses; aot_eager traces the same graphs
@@ -79,9 +80,10 @@ def _epilog() -> str:
     fields = "\n".join(f"  {k:<{width}}  {v}" for k, v in SUMMARY_FIELDS.items())
     return (
         "outputs: rank 0 draws a progress line on stderr and prints one JSON summary as its last\n"
-        "stdout line; nothing is written to disk unless --out DIR is given (checkpoints,\n"
-        "DIR/metrics.jsonl and DIR/model.json, which `distamp export DIR` reads) or --export PATH\n"
-        f"(the trained model for inference).\n\nsummary fields:\n{fields}"
+        "stdout line; the run is kept in --out DIR, by default runs/<start time> (checkpoints,\n"
+        "DIR/metrics.jsonl and DIR/model.json, which `distamp export DIR` reads; the path and\n"
+        "that command are printed at the end); --export PATH also writes the trained model for\n"
+        f"inference.\n\nsummary fields:\n{fields}"
     )
 
 
@@ -151,7 +153,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--lr", type=real_arg(0.0, above=True), default=3e-3, help="peak learning rate")
     add("--warmup", type=int_arg(0), default=20, help="linear warm-up steps")
     add("--log-interval", type=int_arg(1), default=10, help="steps between metric syncs")
-    add("--out", type=Path, default=None, help="checkpoints + metrics.jsonl")
+    add(
+        "--out",
+        type=Path,
+        default=None,
+        help="checkpoints, metrics.jsonl and model.json (default: runs/<start time>)",
+    )
     add("--resume", action="store_true", help="continue from the last checkpoint")
     add(
         "--export",
@@ -179,8 +186,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args = p.parse_args(argv)
         if args.resume and args.out is None:
             p.error("argument --resume: needs --out DIR (where the checkpoints are)")
-        if args.out is not None:
-            _check_out(p, args.out)
+        _check_out(p, RUNS if args.out is None else args.out)
         if args.stop_at is not None and args.stop_at > args.steps:
             p.error(
                 f"argument --stop-at: expected a step in [1, --steps={args.steps}], "

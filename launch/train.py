@@ -5,8 +5,10 @@
 
 Rank 0 draws a progress line on stderr and prints ONE JSON object as its last stdout line
 (final_loss, steps, skipped_steps, loss_scale, tokens_per_s, world_size, precision, strategy...;
-``--help`` explains each field). Nothing is written to disk unless ``--out DIR`` (checkpoints)
-or ``--export PATH`` (the model for inference, docs/guides/deployment.md) is given.
+``--help`` explains each field). The run is kept: checkpoints, metrics.jsonl and model.json go
+to ``--out DIR``, by default ``runs/<start time>`` (printed at the start, and at the end with
+the ``distamp export`` command that turns it into a model for inference); ``--export PATH``
+also exports at the end (docs/guides/deployment.md).
 The same seed gives the same final loss whichever launcher started the ranks; ``--out DIR
 --resume`` continues from the last checkpoint to the same final state, bitwise on CPU. SIGUSR1 or
 SIGTERM (a scheduler's "time is nearly up") makes every rank stop at the next logging step, save
@@ -33,6 +35,7 @@ from pathlib import Path
 from types import FrameType
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `launch.model` (and a checkout)
 from distamp import (
@@ -49,7 +52,7 @@ from distamp import (
     shutdown_distributed,
 )
 from distamp.deploy import InputSpec, ModelSpec, record_model, save
-from launch.arguments import SUMMARY_FIELDS, parse
+from launch.arguments import RUNS, SUMMARY_FIELDS, parse
 from launch.model import GPT, SIZES, GPTConfig, ShardedText, lm_loss, load_text
 
 __all__ = ["SUMMARY_FIELDS", "StopFlag", "main", "parse", "warmup_cosine"]
@@ -75,6 +78,23 @@ def _model_spec(args: argparse.Namespace, cfg: GPTConfig) -> ModelSpec:
         inputs=(InputSpec(shape=(None, cfg.context), dtype="int64", high=cfg.vocab_size),),
         source=str(Path(__file__).resolve().parents[1]),
     )
+
+
+def _run_directory() -> Path:
+    """``runs/<start time>`` (under the working directory; git ignores ``runs/``): where a run
+    without --out is kept, so that it can be exported or resumed without training again. Rank
+    0 names it and sends the name to every rank (their clocks may straddle a second), which
+    all save to it."""
+    name: list[str | None] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        name[0], k = stamp, 1
+        while (RUNS / str(name[0])).exists():  # two runs started in one second
+            k += 1
+            name[0] = f"{stamp}-{k}"
+    if dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    return RUNS / str(name[0])
 
 
 def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
@@ -124,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
     torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
     torch.manual_seed(args.seed)  # identical init on every rank (FSDP does not broadcast it)
+    if args.out is None:
+        args.out = _run_directory()
     cfg = SIZES[args.size]
     # fp8 takes its layer selection from a precision policy (fp32 norms and softmax included).
     policy = (
@@ -178,18 +200,17 @@ def main(argv: list[str] | None = None) -> int:
         amp.close()
         shutdown_distributed()
         return 2
-    if args.out is not None and env.rank == 0:  # how `distamp export DIR` rebuilds the model
+    if env.rank == 0:  # how `distamp export DIR` rebuilds the model
         record_model(args.out, _model_spec(args, cfg))
     start_step, end = amp.step_count, min(args.steps, args.stop_at or args.steps)
-    printer = ProgressPrinter(end, jsonl=args.out / "metrics.jsonl" if args.out else None)
+    printer = ProgressPrinter(end, jsonl=args.out / "metrics.jsonl")
     main_rank = env.rank == 0
     if main_rank:
-        where = (
-            f"checkpoints and metrics.jsonl go to {args.out}"
-            if args.out
-            else ("nothing is saved (pass --out DIR for checkpoints and metrics.jsonl)")
+        print(
+            f"{end - start_step} steps on {amp.world_size} rank(s); checkpoints and "
+            f"metrics.jsonl go to {args.out}",
+            file=sys.stderr,
         )
-        print(f"{end - start_step} steps on {amp.world_size} rank(s); {where}", file=sys.stderr)
     t0 = time.perf_counter()
     stats = amp.fit(
         data.batch,
@@ -236,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in summary.items()
         }
         print(json.dumps(finite, allow_nan=False), flush=True)
+        print(
+            f"saved to {args.out}; for inference: distamp export {args.out} -o model.pt2 "
+            f"(continue it: --out {args.out} --resume)",
+            file=sys.stderr,
+        )
     if args.export is not None and main_rank:  # one process exports; the others wait in close
         suffix = args.export.suffix
         target = {".onnx": "onnx", ".pte": "pte"}.get(suffix, "pt2")

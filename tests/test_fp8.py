@@ -507,11 +507,12 @@ def test_fp8_ddp_parity_skips_agree_and_checkpoints_resume_bitwise(tmp_path: Pat
     assert run_ranks(_scenarios, 2, str(tmp_path), timeout=240) == ["ok", "ok"]
 
 
-def test_main_job_trains_in_fp8_under_fsdp2() -> None:
+def test_main_job_trains_in_fp8_under_fsdp2(tmp_path: Path) -> None:
     _torchao()
     out = run_torchrun(
         REPO / "launch" / "train.py",
         *("--precision", "fp8", "--strategy", "fsdp2", "--steps", "4", "--log-interval", "2"),
+        *("--out", str(tmp_path / "run")),
     )
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["precision"] == "fp8" and summary["strategy"] == "fsdp2"

@@ -80,11 +80,11 @@ def _job_summary(results: list[nc.Result]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def one_host() -> dict[str, Any]:
+def one_host(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Two ranks on one host, over loopback: the loss both two-host runs must reproduce."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     out = subprocess.run(
-        [*cmd, JOB, *JOB_ARGS],
+        [*cmd, JOB, *JOB_ARGS, "--out", str(tmp_path_factory.mktemp("one_host"))],
         env=_env(), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -97,10 +97,13 @@ def cluster() -> Iterator[nc.NetnsCluster]:
         yield c
 
 
-def test_torchrun_across_two_hosts(cluster: nc.NetnsCluster, one_host: dict[str, Any]) -> None:
+def test_torchrun_across_two_hosts(
+    cluster: nc.NetnsCluster, one_host: dict[str, Any], tmp_path: Path
+) -> None:
     before = [_veth_bytes(h) for h in cluster.hosts]
+    args = [*JOB_ARGS, "--out", str(tmp_path / "run")]
     results = cluster.torchrun(
-        sys.executable, JOB, JOB_ARGS, env=_env(), timeout=TIMEOUT_S, port=29400, cwd=REPO
+        sys.executable, JOB, args, env=_env(), timeout=TIMEOUT_S, port=29400, cwd=REPO
     )
     summary = _job_summary(results)
     assert (summary["world_size"], summary["launcher"]) == (2, "torchrun")
@@ -113,10 +116,13 @@ def test_torchrun_across_two_hosts(cluster: nc.NetnsCluster, one_host: dict[str,
 @pytest.mark.skipif(
     shutil.which("mpirun") is None, reason="mpirun is not on PATH (apt-get install openmpi-bin)"
 )
-def test_mpirun_across_two_hosts(cluster: nc.NetnsCluster, one_host: dict[str, Any]) -> None:
+def test_mpirun_across_two_hosts(
+    cluster: nc.NetnsCluster, one_host: dict[str, Any], tmp_path: Path
+) -> None:
     before = [_veth_bytes(h) for h in cluster.hosts]
+    args = [*JOB_ARGS, "--out", str(tmp_path / "run")]
     result = cluster.mpirun(
-        sys.executable, JOB, JOB_ARGS, env=_env(), timeout=TIMEOUT_S, port=29500, cwd=REPO
+        sys.executable, JOB, args, env=_env(), timeout=TIMEOUT_S, port=29500, cwd=REPO
     )
     summary = _job_summary([result])
     assert (summary["world_size"], summary["launcher"]) == (2, "openmpi")

@@ -83,11 +83,11 @@ def _kill_tree(proc: subprocess.Popen[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def baseline() -> dict[str, Any]:
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Two ranks on one host, no SLURM, no interruption: the loss every run must reproduce."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     out = subprocess.run(
-        [*cmd, JOB, *JOB_ARGS],
+        [*cmd, JOB, *JOB_ARGS, "--out", str(tmp_path_factory.mktemp("baseline"))],
         env=_clean_env(), cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

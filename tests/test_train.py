@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +31,22 @@ KEYS = {
 
 
 def _run(cmd: list[str], timeout: float = 120) -> dict[str, Any]:
+    """Run the main job (``cmd``); its summary. Without ``--out`` in ``cmd`` the run is kept in
+    a scratch directory, not in the checkout's ``runs/``."""
     env = launcher_free_env()
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s\n{err[-3000:]}")
+    with tempfile.TemporaryDirectory() as scratch:
+        if TRAIN in cmd and "--out" not in cmd and "--help" not in cmd:
+            cmd = [*cmd, "--out", scratch]
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s\n{err[-3000:]}")
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{err[-3000:]}"
     lines = out.strip().splitlines()
     assert lines, f"no stdout from {' '.join(cmd)}\n{err[-3000:]}"
@@ -49,7 +55,7 @@ def _run(cmd: list[str], timeout: float = 120) -> dict[str, Any]:
     from launch.train import SUMMARY_FIELDS
 
     assert list(result) == list(SUMMARY_FIELDS), "every summary field is explained in --help"
-    assert "nothing is saved" in err or "metrics.jsonl go to" in err, err[-2000:]
+    assert "metrics.jsonl go to" in err and "for inference: distamp export" in err, err[-2000:]
     return result
 
 
@@ -123,7 +129,7 @@ def test_help_explains_every_summary_field_and_where_outputs_go() -> None:
     out = subprocess.run(
         [sys.executable, TRAIN, "--help"], capture_output=True, text=True, timeout=60, check=True
     ).stdout
-    assert "nothing is written to disk unless --out DIR" in out
+    assert "the run is kept in --out DIR, by default runs/<start time>" in out
     for field, meaning in SUMMARY_FIELDS.items():
         assert f"  {field}" in out and meaning in out.replace("\n", " "), field
 
@@ -320,3 +326,37 @@ def test_export_to_onnx_in_bf16_is_a_usage_error_before_training() -> None:
         assert exc.value.code == 2 and "error: argument --export: 'm.onnx'" in message, message
         assert "pass 'm.pt2', or --precision fp16 or fp32 for ONNX" in message, message
     assert parse(["--precision", "fp16", "--export", "m.onnx"]).export == Path("m.onnx")
+
+
+def test_a_run_without_out_is_kept_under_runs_and_says_how_to_export_it(tmp_path: Path) -> None:
+    """No --out: the run goes to runs/<start time> under the working directory, and the end
+    prints that path with the export command, which works as printed."""
+    done = subprocess.run(
+        [sys.executable, TRAIN, "--steps", "2", "--precision", "bf16"],
+        cwd=tmp_path, env=launcher_free_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    rel = f"runs/{run.name}"
+    assert {"latest.json", "model.json", "metrics.jsonl"} <= {p.name for p in run.iterdir()}
+    assert f"metrics.jsonl go to {rel}" in done.stderr
+    command = f"distamp export {rel} -o model.pt2"
+    assert f"saved to {rel}; for inference: {command}" in done.stderr, done.stderr[-2000:]
+    json.loads(done.stdout.strip().splitlines()[-1])  # the summary is still the last line
+    exported = subprocess.run(
+        [sys.executable, "-m", "distamp.cli", *command.split()[1:]],
+        cwd=tmp_path, env=launcher_free_env(), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert (tmp_path / "model.pt2").is_file() and (tmp_path / "model.pt2.json").is_file()
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+def test_the_pages_summary_example_has_the_fields_the_main_job_prints(page: str) -> None:
+    """The summary a page shows has the fields, in order, of the one the main job prints (which
+    _run checks against SUMMARY_FIELDS on every run)."""
+    from launch.train import SUMMARY_FIELDS
+
+    lines = (REPO / page).read_text(encoding="utf-8").splitlines()
+    shown = json.loads(lines[lines.index("summary (fields: python launch/train.py --help):") + 1])
+    assert list(shown) == list(SUMMARY_FIELDS), set(shown) ^ set(SUMMARY_FIELDS)
