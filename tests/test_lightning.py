@@ -132,7 +132,7 @@ def test_bad_arguments() -> None:
     from distamp import DistributedGradScaler
     from distamp.integrations.lightning import DistAMPPrecision
 
-    with pytest.raises(ValueError, match="mixed precision"):
+    with pytest.raises(ValueError, match="Precision must be '16-mixed' or 'bf16-mixed'"):
         DistAMPPrecision("32-true")
     with pytest.raises(ValueError, match="does not use a scaler"):
         DistAMPPrecision("bf16-mixed", device="cpu", scaler=DistributedGradScaler("cpu"))

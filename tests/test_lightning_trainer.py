@@ -589,7 +589,7 @@ def test_bad_arguments() -> None:
     from distamp.precision.policy import AutocastPolicy
 
     for cls in (DistAMPTrainerPrecision, DistAMPFSDPPrecision):
-        with pytest.raises(ValueError, match=r"precision='32-true'.*mixed precision"):
+        with pytest.raises(ValueError, match=r"precision='32-true'.*'16-mixed' or 'bf16-mixed'"):
             cls("32-true")
         with pytest.raises(ValueError, match="precision='nope'"):
             cls("nope")
@@ -608,3 +608,179 @@ def test_bad_arguments() -> None:
         plugin.clip_gradients(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), "1")  # type: ignore[arg-type]
     fsdp = DistAMPFSDPPrecision("16-mixed", "cpu")
     assert isinstance(fsdp.scaler, DistributedGradScaler) and fsdp.mixed_precision_config is None
+
+
+# ---------------------------------------------------------------------------- Lightning's contract
+def _skipping_module(bad_steps: tuple[int, ...], *, fused: bool = False) -> Any:
+    """One Linear; the loss is inf at ``bad_steps``; records the plug-in's skip and the lr."""
+    import lightning.pytorch as pl
+    import torch
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(FEATURES, 4)
+            self.skipped: list[bool] = []
+            self.lrs: list[float] = []
+
+        def training_step(self, batch: Any, _idx: int) -> torch.Tensor:
+            loss = self.net(batch[0]).float().pow(2).mean()
+            return loss * float("inf") if self.global_step in bad_steps else loss
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            self.skipped.append(self.trainer.precision_plugin.step_was_skipped)
+            self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=fused)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    return Net()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_replaced_scaler_is_the_one_stepped_and_read(tmp_path: Path, fused: bool) -> None:
+    """Lightning's plug-ins step whatever ``plugin.scaler`` holds when the step comes (its own
+    tests put ``Mock(wraps=plugin.scaler)`` there). So does this one: a wrapped distamp scaler
+    and a plain ``torch.amp.GradScaler`` are scaled, unscaled and stepped, and the skip (and so
+    the scheduler gate) is read from them, with the same outcome as the scaler given at
+    construction (the clip's rounding aside: 1e-6)."""
+    from unittest.mock import Mock
+
+    import torch
+
+    from distamp import DistributedGradScaler
+    from distamp.integrations.lightning import DistAMPTrainerPrecision
+
+    steps, bad = 4, (1,)
+    expected = [step in bad for step in range(steps)]
+    outcomes = {}
+    for kind in ("given", "mock", "torch"):
+        scaler = DistributedGradScaler("cpu", init_scale=2.0**8)
+        plugin = DistAMPTrainerPrecision("16-mixed", device="cpu", scaler=scaler)
+        if kind == "mock":
+            plugin.scaler = Mock(wraps=plugin.scaler)
+        elif kind == "torch":
+            plugin.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        module = _skipping_module(bad, fused=fused)
+        _fit_one_process(module, plugin, tmp_path, steps, gradient_clip_val=1.0)
+        assert module.skipped == expected, (kind, module.skipped)
+        assert plugin.skipped_steps == len(bad), kind
+        outcomes[kind] = (module.lrs, [p.detach().clone() for p in module.parameters()])
+        if kind == "mock":
+            assert plugin.scaler.scale.call_count == steps
+            assert plugin.scaler.step.call_count == plugin.scaler.update.call_count == steps
+        assert plugin.scaler.get_scale() == 2.0**7, kind  # backed off once
+    lrs, params = outcomes["given"]
+    assert lrs == [1e-2 * 0.5**k for k in (1, 1, 2, 3)]  # held at the skipped step
+    for kind in ("mock", "torch"):
+        assert outcomes[kind][0] == lrs, kind
+        for got, want in zip(outcomes[kind][1], params, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_replacement_that_cannot_be_honoured_is_refused_before_the_step(
+    tmp_path: Path,
+) -> None:
+    """Not a scaler, ``None`` under fp16 (no loss scaling), a loss scaler under bf16, another
+    scaler than the one a policy's adaptive rules watch: refused at the next step, naming the
+    fix, with the weights untouched."""
+    import torch
+
+    from distamp import DistributedGradScaler
+    from distamp.integrations.lightning import DistAMPTrainerPrecision
+    from distamp.precision.adaptive import AdaptiveRules
+    from distamp.precision.policy import AutocastPolicy
+
+    cases: list[tuple[str, Any, type[Exception], str]] = [
+        ("16-mixed", object(), TypeError, "is no loss scaler.*torch.amp.GradScaler"),
+        ("16-mixed", None, TypeError, "None with fp16.*'bf16-mixed'"),
+        ("bf16-mixed", torch.amp.GradScaler("cpu"), ValueError, "bf16.*set it to None"),
+    ]
+    for precision, replacement, error, message in cases:
+        plugin = DistAMPTrainerPrecision(precision, device="cpu")
+        plugin.scaler = replacement
+        module = _skipping_module(())
+        before = [p.detach().clone() for p in module.parameters()]
+        with pytest.raises(error, match=message):
+            _fit_one_process(module, plugin, tmp_path, 2)
+        assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+    policy = AutocastPolicy("fp16", adaptive=AdaptiveRules())
+    plugin = DistAMPTrainerPrecision("16-mixed", device="cpu", policy=policy)
+    module = _skipping_module(())
+    _fit_one_process(module, plugin, tmp_path, 1)
+    plugin.scaler = DistributedGradScaler("cpu")
+    with pytest.raises(ValueError, match=r"adaptive rules started.*before the model is set up"):
+        _fit_one_process(module, plugin, tmp_path, 2)
+
+
+def test_construction_touches_no_device() -> None:
+    """As Lightning's plug-ins, which a job configures on a host without its GPU: built for
+    ``"cuda"`` on a CPU-only host, nothing is allocated until the plug-in is used."""
+    import warnings
+
+    import torch
+
+    from distamp.integrations.lightning import (
+        DistAMPFSDPPrecision,
+        DistAMPPrecision,
+        DistAMPTrainerPrecision,
+    )
+
+    allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    with warnings.catch_warnings():  # without CUDA the scaler disables itself, as torch's does
+        warnings.simplefilter("ignore")
+        plugins = [
+            DistAMPPrecision("16-mixed", device="cuda"),
+            DistAMPTrainerPrecision("16-mixed", device="cuda:0"),
+            DistAMPFSDPPrecision("16-mixed", device="cuda"),
+        ]
+    for plugin in (*plugins, DistAMPTrainerPrecision("bf16-mixed", device="cuda")):
+        assert plugin.scaler is None or plugin.scaler.get_scale() > 0
+    if torch.cuda.is_available():
+        assert torch.cuda.memory_allocated() == allocated
+
+
+@pytest.mark.parametrize("precision", ["16", 16, "bf16", "fp16", "16-true", "32-true", "fp8"])
+def test_precision_values_are_lightnings(precision: Any) -> None:
+    """The values Lightning's own ``MixedPrecision`` plug-ins (Fabric's and the Trainer's)
+    accept are the only ones accepted, refused with a ``ValueError`` naming the valid ones."""
+    from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from distamp.integrations.lightning import DistAMPPrecision, DistAMPTrainerPrecision
+
+    pairs = [(FabricMixedPrecision, DistAMPPrecision), (MixedPrecision, DistAMPTrainerPrecision)]
+    for theirs, ours in pairs:
+        with pytest.raises(ValueError, match="Precision must be '16-mixed' or 'bf16-mixed'"):
+            theirs(precision, "cpu")
+        with pytest.raises(ValueError, match="Precision must be '16-mixed' or 'bf16-mixed'"):
+            ours(precision, "cpu")
+    for valid in ("16-mixed", "bf16-mixed"):
+        assert DistAMPPrecision(valid, "cpu").precision == valid
+        assert DistAMPTrainerPrecision(valid, "cpu").precision == valid
+
+
+def test_fused_optimizers_are_clipped_where_lightning_refuses(tmp_path: Path) -> None:
+    """A deliberate difference from Lightning: its ``MixedPrecision`` refuses norm clipping of
+    a fused optimizer ("does not allow for gradient clipping"); distamp's plug-in clips it (the
+    clip folded into the optimizer's own unscale) and the norm is the clipped gradients'."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from distamp import DistributedGradScaler
+    from distamp.integrations.lightning import DistAMPTrainerPrecision
+
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        lightnings = MixedPrecision("16-mixed", "cpu")
+        _fit_one_process(
+            _skipping_module((), fused=True), lightnings, tmp_path, 1, gradient_clip_val=1
+        )
+    plugin = DistAMPTrainerPrecision(
+        "16-mixed", "cpu", scaler=DistributedGradScaler("cpu", init_scale=2.0**8)
+    )
+    module = _skipping_module((), fused=True)
+    _fit_one_process(module, plugin, tmp_path, 2, gradient_clip_val=1e-3)
+    assert module.skipped == [False, False]
+    assert plugin.last_grad_norm is not None and float(plugin.last_grad_norm) > 1e-3

@@ -66,7 +66,7 @@ def _digest(model: Any) -> str:
     return h.hexdigest()
 
 
-def _trainer(rank: int, out: str, precision: str, **extra: Any) -> Any:
+def _trainer(rank: int, out: str, precision: str, scaler: Any = None, **extra: Any) -> Any:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -117,7 +117,9 @@ def _trainer(rank: int, out: str, precision: str, **extra: Any) -> Any:
     )
     record = Record()
     cls = with_distamp(InjectingTrainer)
-    trainer = cls(model=model, args=args, train_dataset=_Tokens(64), callbacks=[record])
+    trainer = cls(
+        model=model, args=args, train_dataset=_Tokens(64), callbacks=[record], scaler=scaler
+    )
     return trainer, record, dtypes
 
 
@@ -273,3 +275,65 @@ def test_gradient_checkpointing_keeps_the_policy(tmp_path: Path) -> None:
         assert runs[name]["softmax"] == ["torch.float32"], (name, runs[name])
         assert runs[name]["digest"] == runs["plain"]["digest"], f"{name} differs from plain"
         assert runs[name]["losses"] == runs["plain"]["losses"]
+
+
+# ---- a scaler replaced after construction ---------------------------------------------------
+
+
+def _replaced_scaler_runs(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The same fp16 run three ways: distamp's scaler given to the constructor, a plain
+    ``torch.amp.GradScaler`` assigned to ``trainer.accelerator.scaler`` afterwards (as user code
+    and transformers' own tests do), and an object that is no scaler assigned there."""
+    import torch
+
+    from distamp import DistributedGradScaler
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    init = 2.0**8  # far from fp16 overflow for this model: the injected infs are the only skips
+    out: dict[str, Any] = {}
+    trainer, record, dtypes = _trainer(
+        1, f"{root}/ours", "fp16", save_strategy="no", scaler=DistributedGradScaler("cpu", init)
+    )
+    out["ours"] = _run(trainer, record, dtypes)
+    out["ours"]["params"] = [p.detach().flatten().tolist() for p in trainer.model.parameters()]
+    trainer, record, dtypes = _trainer(1, f"{root}/torch", "fp16", save_strategy="no")
+    replacement = torch.amp.GradScaler("cpu", init_scale=init)
+    trainer.accelerator.scaler = replacement
+    trainer.train()
+    out["torch"] = {
+        "skipped": record.skipped,
+        "scheduler_steps": trainer.lr_scheduler.last_epoch,
+        "scale": replacement.get_scale(),
+        "stepped_with": trainer.optimizer.scaler is replacement,
+        "params": [p.detach().flatten().tolist() for p in trainer.model.parameters()],
+    }
+    trainer, record, dtypes = _trainer(1, f"{root}/bad", "fp16", save_strategy="no")
+    trainer.accelerator.scaler = object()
+    before = _digest(trainer.model)
+    try:
+        trainer.train()
+    except TypeError as exc:
+        out["refused"] = str(exc)
+    out["unchanged"] = _digest(trainer.model) == before
+    return out
+
+
+def test_a_scaler_assigned_after_construction_is_honoured_or_refused(tmp_path: Path) -> None:
+    """``trainer.accelerator.scaler`` is Accelerate's public attribute: a ``torch.amp.GradScaler``
+    put there is the one that steps, its skips are read from it (the scheduler holds still on
+    them) and the run ends where distamp's own scaler ends it; an object that is no scaler is
+    refused at the first backward, before any weight changes."""
+    (runs,) = run_ranks(_replaced_scaler_runs, 1, str(tmp_path), timeout=300)
+    ours, torch_run = runs["ours"], runs["torch"]
+    expected = [step in BAD_STEPS for step in range(STEPS)]
+    assert ours["skipped"] == expected and torch_run["skipped"] == expected, runs
+    assert torch_run["stepped_with"], runs
+    assert ours["scheduler_steps"] == torch_run["scheduler_steps"] == STEPS - len(BAD_STEPS)
+    assert torch_run["scale"] == ours["scale"], runs
+    # The same steps taken: the weights differ only by the rounding of the clip (torch's
+    # scaler unscales, then Accelerate clips; distamp's does both in one pass): 1.3e-6 measured.
+    pairs = zip(ours["params"], torch_run["params"], strict=True)
+    diff = max(abs(a - b) for x, y in pairs for a, b in zip(x, y, strict=True))
+    assert diff < 1e-5, diff
+    assert "is no loss scaler" in runs["refused"] and "GradScaler" in runs["refused"], runs
+    assert runs["unchanged"], runs

@@ -54,6 +54,7 @@ from accelerate.utils import DistributedType  # noqa: E402
 
 from distamp.cluster.agreement import agree_failures  # noqa: E402
 from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
+from distamp.integrations.scaler_slot import SkipProbe, check_scaler  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
 from distamp.precision.adaptive_run import AdaptiveRun, change_metrics  # noqa: E402
 from distamp.precision.policy import parse_precision  # noqa: E402
@@ -91,20 +92,34 @@ class DistAMPOptimizer(AcceleratedOptimizer):
 
     _distamp_skipped: torch.Tensor | None = None
     _distamp_after_step: Callable[[Any], None] | None = None
+    _distamp_scaler_now: Callable[[], Any] | None = None
 
     def call_after_step(self, callback: Callable[[Any], None] | None) -> None:
         """Have ``callback(scaler)`` called after each real optimizer step (not after an
         accumulation micro-step); the accelerator counts its metrics window with it."""
         self._distamp_after_step = callback
 
+    def follow_scaler(self, scaler_now: Callable[[], Any]) -> None:
+        """Step with ``scaler_now()`` (the accelerator's ``scaler``, checked) at each real step,
+        not with the scaler this wrapper was prepared with: ``accelerator.backward`` scales the
+        loss with the accelerator's, so a replacement made after ``prepare`` must also unscale
+        and step."""
+        self._distamp_scaler_now = scaler_now
+
     @override
     def step(self, closure: Any = None) -> None:
+        sync = self.gradient_state.sync_gradients
+        if sync and self._distamp_scaler_now is not None:
+            self.scaler = self._distamp_scaler_now()  # refused here, before the step, if unfit
+        probe = SkipProbe()
+        if sync:
+            probe.before(self.scaler)
         super().step(closure)
         scaler = self.scaler
-        if not self.gradient_state.sync_gradients:
+        if not sync:
             return  # an accumulation micro-step: Accelerate did not step
-        if isinstance(scaler, DistributedGradScaler) and scaler.is_enabled():
-            self._distamp_skipped = scaler.last_step_skipped
+        if scaler is not None:
+            self._distamp_skipped = probe.after(scaler)
         if self._distamp_after_step is not None:
             self._distamp_after_step(scaler)
 
@@ -195,6 +210,12 @@ class DistAMPAccelerator(Accelerator):
             if fp16:
                 self.native_amp = True
             self.scaler = scaler
+        # `scaler` stays Accelerate's public attribute: a replacement is honoured (stepped, its
+        # skip read from it) or refused at its first use, before anything of that step.
+        self._checked_scaler: Any = self.scaler
+        self._own_scaling = own_scaling  # DeepSpeed, Megatron-LM, MS-AMP: their scaler, unchecked
+        self._pinned_scaler: Any = None  # the one a policy's adaptive rules watch
+        self._registered: list[Any] = []  # prepared models, registered with a new distamp scaler
         self.register_load_state_pre_hook(self._check_scaler_file)
         agree_plugin_settings(  # one collective, now: ranks built differently fail here
             type(self).__name__,
@@ -225,10 +246,11 @@ class DistAMPAccelerator(Accelerator):
                 self.adaptive = AdaptiveRun.for_plugin(
                     model,
                     policy=self.policy,
-                    scaler=self.scaler,
+                    scaler=self._scaler_now(),
                     owner=type(self).__name__,
                     precision=str(self.state.mixed_precision),
                 )
+                self._pinned_scaler = self.scaler if self.adaptive is not None else None
             inner, policy, device_type = model.forward, self.policy, self.device.type
 
             @functools.wraps(inner)
@@ -240,10 +262,40 @@ class DistAMPAccelerator(Accelerator):
         prepared = super().prepare_model(
             model, device_placement=device_placement, evaluation_mode=evaluation_mode
         )
-        if isinstance(self.scaler, DistributedGradScaler) and not evaluation_mode:
+        scaler = self._scaler_now()
+        if not evaluation_mode:
+            self._registered.append(prepared)
+        if isinstance(scaler, DistributedGradScaler) and not evaluation_mode:
             # names; DDP/FSDP1 copies for clipping; DDP's all-reduce relied on only if trusted
-            self.scaler.register_module(prepared, trust_ddp_sync=self.trust_ddp_sync)
+            scaler.register_module(prepared, trust_ddp_sync=self.trust_ddp_sync)
         return prepared
+
+    def _scaler_now(self) -> Any:
+        """The scaler in ``accelerator.scaler``, checked once after each replacement (before
+        its first backward or step; see :func:`~distamp.integrations.scaler_slot.check_scaler`)
+        and, if distamp's, registered with the prepared models as the first one was."""
+        scaler = getattr(self, "scaler", None)
+        if scaler is self._checked_scaler or self._own_scaling:
+            return scaler
+        check_scaler(
+            scaler,
+            owner=f"{type(self).__name__}.scaler",
+            needs_scaler=self.state.mixed_precision == "fp16",
+            pinned=self._pinned_scaler,
+        )
+        if isinstance(scaler, DistributedGradScaler):
+            for model in self._registered:
+                scaler.register_module(model, trust_ddp_sync=self.trust_ddp_sync)
+        self._checked_scaler = scaler
+        return scaler
+
+    @override
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Accelerate's ``backward``, which scales the loss with ``accelerator.scaler``; a
+        replaced scaler is checked first, so one that cannot be honoured is refused before any
+        gradient is written."""
+        self._scaler_now()
+        super().backward(loss, **kwargs)
 
     @override
     def prepare_optimizer(
@@ -257,6 +309,7 @@ class DistAMPAccelerator(Accelerator):
             # optimizers (for save/load and schedulers), and the subclass adds no state.
             wrapped.__class__ = DistAMPOptimizer
             wrapped.call_after_step(self._after_step)
+            wrapped.follow_scaler(self._scaler_now)
         return wrapped
 
     # ------------------------------------------------------------------ the step
@@ -274,7 +327,7 @@ class DistAMPAccelerator(Accelerator):
         Returns:
             The total norm before clipping (0-dim tensor; no host sync).
         """
-        scaler = self.scaler
+        scaler = self._scaler_now()
         params = list(parameters)
         if not (isinstance(scaler, DistributedGradScaler) and scaler.is_enabled()):
             norm = super().clip_grad_norm_(params, max_norm, norm_type=norm_type)

@@ -17,10 +17,39 @@ from distamp.precision.policy import parse_precision
 from distamp.precision.requirements import check_policy_precision
 from distamp.scaler import DistributedGradScaler
 
-__all__ = ["UnscaleWhen", "check_plugin_args", "lightning_precision_name"]
+__all__ = [
+    "LIGHTNING_PRECISIONS",
+    "UnscaleWhen",
+    "check_plugin_args",
+    "check_precision",
+    "lightning_precision_name",
+]
 
 UnscaleWhen = Literal["auto", "before_hooks", "at_clip"]
 """When the Trainer plug-ins unscale gradients (their ``unscale`` argument)."""
+
+
+LIGHTNING_PRECISIONS = ("16-mixed", "bf16-mixed")
+"""What Lightning's own ``MixedPrecision`` plug-ins (Fabric's and the Trainer's) accept."""
+
+
+def check_precision(owner: str, precision: Any) -> ParsedPrecision:
+    """The precision of a Lightning plug-in, accepted as Lightning's ``MixedPrecision`` accepts
+    it: ``"16-mixed"`` or ``"bf16-mixed"`` exactly, so that swapping Lightning's plug-in for
+    distamp's (or back) never changes which spellings a configuration may use. Lightning's
+    connector maps ``Trainer(precision=16)`` to ``"16-mixed"``; its plug-ins take only the
+    canonical names. Shared by the Fabric and the Trainer plug-ins.
+
+    Raises:
+        ValueError: any other value, in Lightning's words, naming the valid ones.
+    """
+    if not (isinstance(precision, str) and precision in LIGHTNING_PRECISIONS):
+        raise ValueError(
+            f"Passed `{owner}(precision={precision!r})`. Precision must be '16-mixed' or "
+            "'bf16-mixed' (for fp32 keep Lightning's default precision; for fp8 train with "
+            "distamp.DistAMP)."
+        )
+    return parse_precision(precision)
 
 
 def check_plugin_args(
@@ -37,16 +66,11 @@ def check_plugin_args(
     none was given. Shared by both plugins so that they refuse the same things alike.
 
     Raises:
-        ValueError: a precision other than fp16/bf16, a scaler with bf16, a policy for another
-            precision, or a bad ``unscale``/``gate_schedulers``.
+        ValueError: a precision other than ``"16-mixed"``/``"bf16-mixed"``, a scaler with bf16,
+            a policy for another precision, or a bad ``unscale``/``gate_schedulers``.
         TypeError: a scaler that is not a :class:`~distamp.DistributedGradScaler`.
     """
-    parsed = parse_precision(precision)
-    if parsed.compute_dtype is None:
-        raise ValueError(
-            f"{owner}(precision={precision!r}): this plugin is for mixed precision ('16-mixed' "
-            "or 'bf16-mixed'); for fp32 use the Trainer's default precision"
-        )
+    parsed = check_precision(owner, precision)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if scaler is not None and not isinstance(scaler, DistributedGradScaler):

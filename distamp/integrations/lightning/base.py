@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E40
 from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
 from distamp.integrations.lightning.arguments import UnscaleWhen  # noqa: E402
 from distamp.integrations.lightning.scheduler import SkipAwareScheduler  # noqa: E402
+from distamp.integrations.scaler_slot import SkipProbe, check_scaler  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
 from distamp.precision.adaptive_run import (  # noqa: E402
     AdaptiveRun,
@@ -67,9 +68,18 @@ class TrainerPrecisionBase(Precision):
     gate), ``optimizer_step`` (the agreed step), ``clip_gradients`` / ``clip_grad_by_norm`` /
     ``clip_grad_by_value`` (clipping through the scaler), ``state_dict`` / ``load_state_dict``
     (checkpoints).
+
+    ``scaler`` is Lightning's public attribute and is honoured when replaced, as Lightning's own
+    plug-ins honour it (``plugin.scaler = Mock(wraps=plugin.scaler)``, a ``torch.amp.GradScaler``):
+    every step scales, unscales, steps and reads its skip from whatever is there
+    (:mod:`~distamp.integrations.scaler_slot`). A replacement that cannot be honoured (no
+    ``GradScaler`` methods, ``None`` with fp16, a scaler with bf16, another scaler than the one
+    a policy's adaptive rules watch) is refused at the next step, before anything is applied.
+    Only a :class:`~distamp.DistributedGradScaler` makes the ranks agree on every skip.
     """
 
-    scaler: Any  # Lightning's attribute; `_scaler` is the same object, typed
+    scaler: Any
+    """The loss scaler Lightning's hooks and this plug-in step (``None``: bf16, no scaling)."""
     device: str
     trust_ddp_sync: bool = False  # see DistAMPTrainerPrecision
     adaptive: AdaptiveRun | None = None
@@ -85,18 +95,21 @@ class TrainerPrecisionBase(Precision):
         gate_schedulers: bool,
     ) -> None:
         self.scaler = scaler  # Lightning's attribute (pre_backward scales with it)
-        self._scaler = scaler  # the same object, typed as distamp's
+        self._checked_scaler = scaler  # checked by check_plugin_args; a replacement at its step
+        self._pinned_scaler: Any = None  # the one a policy's adaptive rules watch
+        self._registered: tuple[Module, bool] | None = None  # (model, trusted) from connect
+        self._probe = SkipProbe()
+        self._foreign_skips = 0  # skips read from a scaler that keeps no count (not distamp's)
         self.device = device
         self.policy = policy
         self.unscale = unscale
         self.gate_schedulers = gate_schedulers
-        self.metrics = AMPMetrics(device)
+        self._metrics: AMPMetrics | None = None  # built at first use: no device touched here
         self._parsed = parsed
-        # bf16 has no scaler; a disabled one still clips with one collective and counts FSDP
-        # shards and DTensor placements once, which torch.nn.utils.clip_grad_norm_ does not.
-        self._clipper = (
-            scaler if scaler is not None else DistributedGradScaler(device, enabled=False)
-        )
+        # Without a distamp scaler (bf16, or a replaced one), a disabled one still clips with one
+        # collective and counts FSDP shards and DTensor placements once, which
+        # torch.nn.utils.clip_grad_norm_ does not. A disabled scaler allocates nothing.
+        self._norm_clipper = DistributedGradScaler(device, enabled=False)
         self._unscaled: set[int] = set()  # optimizers unscaled (or clipped) since the last update
         self._skip_flags: dict[int, torch.Tensor] = {}  # optimizer id -> last step's agreed flag
         self._last_skip: torch.Tensor | None = None
@@ -104,6 +117,39 @@ class TrainerPrecisionBase(Precision):
         self._pending_norm: torch.Tensor | None = None  # for metrics, taken at the step
         self.last_grad_norm: torch.Tensor | None = None
         """The norm returned by the last norm clipping (0-dim tensor, unscaled, no host sync)."""
+
+    @property
+    def metrics(self) -> AMPMetrics:
+        """The loss-scale health and throughput window (:class:`~distamp.observe.metrics.
+        AMPMetrics`), built on ``device`` at first use, so that building the plug-in touches no
+        device (as Lightning's own plug-ins: a job can be configured on a host without its GPU).
+        """
+        if self._metrics is None:
+            self._metrics = AMPMetrics(self.device)
+        return self._metrics
+
+    def _scaler_now(self) -> Any:
+        """The scaler in :attr:`scaler`, checked once after each replacement (before anything
+        of the step is applied) and, if distamp's, registered with the model as the first was."""
+        scaler = self.scaler
+        if scaler is not self._checked_scaler:
+            check_scaler(
+                scaler,
+                owner=f"{type(self).__name__}.scaler",
+                needs_scaler=self._parsed.needs_scaler,
+                pinned=self._pinned_scaler,
+            )
+            if isinstance(scaler, DistributedGradScaler) and self._registered is not None:
+                model, trusted = self._registered
+                scaler.register_module(model, trust_ddp_sync=trusted)
+            self._checked_scaler = scaler
+        return scaler
+
+    def _clipper(self) -> DistributedGradScaler:
+        """distamp's scaler when it is the one there (one pass: unscale, check, norm, clip),
+        else the disabled one, after the scaler there unscaled."""
+        scaler = self._scaler_now()
+        return scaler if isinstance(scaler, DistributedGradScaler) else self._norm_clipper
 
     # ------------------------------------------------------------------ setup
     @override
@@ -121,13 +167,15 @@ class TrainerPrecisionBase(Precision):
                 self.adaptive.close()
                 self.adaptive = None
             if self.adaptive is None:
+                scaler = self._scaler_now()
                 self.adaptive = AdaptiveRun.for_plugin(
                     module,
                     policy=self.policy,
                     precision=self._parsed,
-                    scaler=self._scaler,
+                    scaler=scaler,
                     owner=type(self).__name__,
                 )
+                self._pinned_scaler = scaler if self.adaptive is not None else None
         return super().convert_module(module)
 
     @override
@@ -145,20 +193,23 @@ class TrainerPrecisionBase(Precision):
         built differently fail here, before training.
         """
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
+        scaler = self._scaler_now()
         agree_plugin_settings(  # one collective: ranks built differently fail before training
             type(self).__name__,
             precision=self._parsed.name,
-            scaler=self._scaler,
+            scaler=scaler,
             policy=self.policy,
             trust_ddp_sync=self.trust_ddp_sync,
             unscale=self.unscale,
             gate_schedulers=self.gate_schedulers,
         )
         if self.trust_ddp_sync and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            self._clipper.register_module(model, trust_ddp_sync=True)
+            self._registered = (model, True)
         else:
-            self._clipper.register_module(_module_to_register(model))
-        if self._scaler is not None and self.gate_schedulers:
+            self._registered = (_module_to_register(model), False)
+        for clipper in {id(c): c for c in (self._clipper(), self._norm_clipper)}.values():
+            clipper.register_module(self._registered[0], trust_ddp_sync=self._registered[1])
+        if scaler is not None and self.gate_schedulers:
             lr_schedulers = [_gated(config, self._optimizer_skipped) for config in lr_schedulers]
         return model, optimizers, lr_schedulers
 
@@ -180,9 +231,10 @@ class TrainerPrecisionBase(Precision):
         ``on_before_optimizer_step`` hooks and ``configure_gradient_clipping``, then
         ``scaler.step`` (skipped on every rank when any rank holds an inf/NaN) and
         ``scaler.update``. No host sync for fused optimizers (one ``.item()`` otherwise, in
-        ``scaler.step``).
+        ``scaler.step``); a scaler that is not distamp's costs one more, to read its skip.
+        A replaced :attr:`scaler` is checked first, before the closure runs.
         """
-        scaler = self._scaler
+        scaler = self._scaler_now()
         if scaler is None:  # bf16: nothing to scale or skip
             out = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
             self.metrics.step(None, self._take_norm())
@@ -210,10 +262,14 @@ class TrainerPrecisionBase(Precision):
         # `_after_closure` runs the on_before_optimizer_step hooks and configure_gradient_clipping;
         # Lightning's own precision plugins call it at this point (checked on Lightning 2.6).
         self._after_closure(model, optimizer)
+        self._probe.before(scaler)
         out = scaler.step(optimizer, **kwargs)
         scaler.update()  # an adaptive run decides here, the same on every rank
         self._unscaled.clear()
-        self._record_skip(optimizer, scaler.last_step_skipped)
+        flag = self._probe.after(scaler)
+        if not isinstance(scaler, DistributedGradScaler):
+            self._foreign_skips += int(flag)  # a CPU flag: read without a device sync
+        self._record_skip(optimizer, flag)
         self.metrics.step(scaler, self._take_norm())
         changes = self.adaptive.take_changes() if self.adaptive is not None else []
         for change in changes:
@@ -222,9 +278,22 @@ class TrainerPrecisionBase(Precision):
             logger.log_metrics(change_metrics(changes), step=model.trainer.global_step)
         return out
 
+    @override
+    def pre_backward(  # type: ignore[override]
+        self, tensor: torch.Tensor, module: pl.LightningModule
+    ) -> torch.Tensor:
+        """Check a replaced :attr:`scaler`, then scale the loss with it (Lightning's base).
+
+        Why this hook: Lightning scales the loss here, with whatever ``scaler`` holds; in manual
+        optimization it is the first use of a replacement, before any optimizer step.
+        """
+        self._scaler_now()
+        return super().pre_backward(tensor, module)  # type: ignore[no-any-return]
+
     def _unscale_once(self, optimizer: Optimizer) -> None:
-        if self._scaler is not None and id(optimizer) not in self._unscaled:
-            self._scaler.unscale_(optimizer)
+        scaler = self._scaler_now()
+        if scaler is not None and id(optimizer) not in self._unscaled:
+            scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
 
     def _record_skip(self, optimizer: Optimizer, flag: torch.Tensor) -> None:
@@ -283,8 +352,11 @@ class TrainerPrecisionBase(Precision):
         kept for :attr:`last_grad_norm` and the metrics.
         """
         optimizer = _unwrap(optimizer)
-        norm = self._clipper.clip_grad_norm_(optimizer, float(clip_val))
-        if self._scaler is not None:
+        clipper = self._clipper()
+        if clipper is self._norm_clipper:  # no distamp scaler there: unscale with the one there
+            self._unscale_once(optimizer)
+        norm = clipper.clip_grad_norm_(optimizer, float(clip_val))
+        if self.scaler is not None:
             self._unscaled.add(id(optimizer))
         self.last_grad_norm = self._pending_norm = norm.detach()
 
@@ -318,14 +390,18 @@ class TrainerPrecisionBase(Precision):
     @property
     def skipped_steps(self) -> int:
         """Steps skipped for inf/NaN gradients since the start, restored from checkpoints
-        (one host sync, on request). 0 for bf16."""
-        return 0 if self._scaler is None else self._scaler.skipped_steps
+        (one host sync, on request). 0 for bf16; with a scaler that is not distamp's, the skips
+        this plug-in read from it (not restored from checkpoints: that scaler keeps no count)."""
+        scaler = self.scaler
+        if isinstance(scaler, DistributedGradScaler):
+            return scaler.skipped_steps
+        return self._foreign_skips
 
     def metrics_dict(self) -> dict[str, float | int | None]:
         """Loss scale, skipped steps, overflow rate, grad norm and tokens/s of the window since
         the last call (see :class:`~distamp.observe.metrics.AMPMetrics`). Collective: call it on
         every rank at the same step, e.g. from ``on_train_batch_end`` every N steps."""
-        return self.metrics.compute(self._scaler)
+        return self.metrics.compute(self.scaler)
 
     # ------------------------------------------------------------------ state
     @override
@@ -337,7 +413,7 @@ class TrainerPrecisionBase(Precision):
         checkpoints; without it a resumed fp16 run would restart at the initial loss scale and
         lose the adaptive run's promotions.
         """
-        return plugin_state(self._scaler, self.adaptive)
+        return plugin_state(self._scaler_now(), self.adaptive)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -350,7 +426,7 @@ class TrainerPrecisionBase(Precision):
         leaves them restored:
         :class:`~distamp.integrations.lightning.resume.DistAMPResumeCheck` refuses it earlier.
         """
-        load_plugin_state(state_dict, self._scaler, self.adaptive)
+        load_plugin_state(state_dict, self._scaler_now(), self.adaptive)
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -11,6 +11,10 @@ It differs from Lightning's own ``MixedPrecision`` where that one falls short in
 - :attr:`DistAMPPrecision.step_was_skipped` and :meth:`DistAMPPrecision.metrics_dict` report the
   rank-agreed skip and the loss-scale health without a host sync per step.
 
+It keeps Lightning's contract where that one is explicit: the same precision values
+(``"16-mixed"``, ``"bf16-mixed"``), a constructor that touches no device, and a public
+``scaler`` that is honoured when replaced (see :mod:`~distamp.integrations.scaler_slot`).
+
 It stands on Fabric's ``MixedPrecision``, not on the Trainer plug-ins' base
 (:class:`~distamp.integrations.lightning.base.TrainerPrecisionBase`): Fabric's precision hooks
 take neither the step's closure nor the schedulers (the user's loop calls the step), and Fabric's
@@ -33,6 +37,8 @@ from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.fabric.utilities import rank_zero_info  # noqa: E402
 
 from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
+from distamp.integrations.lightning.arguments import check_precision  # noqa: E402
+from distamp.integrations.scaler_slot import SkipProbe, check_scaler  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
 from distamp.precision.adaptive_run import (  # noqa: E402
     AdaptiveRun,
@@ -40,7 +46,6 @@ from distamp.precision.adaptive_run import (  # noqa: E402
     load_plugin_state,
     plugin_state,
 )
-from distamp.precision.policy import parse_precision  # noqa: E402
 from distamp.precision.requirements import check_policy_precision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
@@ -51,12 +56,17 @@ class DistAMPPrecision(MixedPrecision):
     """Fabric precision plugin: autocast (or a policy) plus distamp's rank-consistent scaler.
 
     Args:
-        precision: ``"16-mixed"`` or ``"bf16-mixed"`` (any spelling distamp parses: ``"fp16"``,
-            ``torch.float16``...).
+        precision: ``"16-mixed"`` or ``"bf16-mixed"``, the values Lightning's ``MixedPrecision``
+            accepts (any other is refused as Lightning refuses it).
         device: the device type for autocast; ``None``: ``"cuda"`` if available, else ``"cpu"``.
+            Nothing is allocated on it before the plug-in is used.
         scaler: the fp16 scaler; ``None`` creates a :class:`~distamp.DistributedGradScaler`.
             Must be ``None`` for bf16 (no loss scaling needed; with a policy's adaptive rules a
-            check-only one is made to drive them).
+            check-only one is made to drive them). Kept in :attr:`scaler`, which may be
+            replaced later (by any ``torch.amp.GradScaler``-like object): the next step uses and
+            reads its skip from what is there, or refuses it before anything is applied
+            (``TypeError``/``ValueError`` naming the fix). Only a
+            :class:`~distamp.DistributedGradScaler` makes the ranks agree on every skip.
         policy: an :class:`~distamp.AutocastPolicy` (or any object with ``apply(model)`` and
             ``autocast(device_type)``): applied in ``convert_module`` and used as the forward
             context instead of bare autocast. Its adaptive rules and backward scales run on the
@@ -69,9 +79,12 @@ class DistAMPPrecision(MixedPrecision):
             default, so a gradient changed on one rank after the all-reduce is still agreed on.
 
     Raises:
-        ValueError: a precision other than fp16/bf16 (fp8 included), a scaler with bf16, or a
-            policy for another precision (:mod:`~distamp.precision.requirements`).
+        ValueError: a precision other than ``"16-mixed"``/``"bf16-mixed"``, a scaler with bf16,
+            or a policy for another precision (:mod:`~distamp.precision.requirements`).
     """
+
+    scaler: Any
+    """The loss scaler Fabric's hooks and this plug-in step (``None``: bf16, no scaling)."""
 
     adaptive: AdaptiveRun | None = None
     """The policy's adaptive rules and backward scales at work (``None`` without them)."""
@@ -85,17 +98,7 @@ class DistAMPPrecision(MixedPrecision):
         *,
         trust_ddp_sync: bool = False,
     ) -> None:
-        parsed = parse_precision(precision)
-        if parsed.compute_dtype is None:
-            raise ValueError(
-                f"DistAMPPrecision(precision={precision!r}): this plugin is for mixed precision "
-                "('16-mixed' or 'bf16-mixed'); for fp32 use Fabric's default precision"
-            )
-        if parsed.float8_linears:
-            raise ValueError(
-                f"DistAMPPrecision(precision={precision!r}): fp8 converts the model's Linear "
-                "layers, which this plugin does not do; train fp8 with distamp.DistAMP"
-            )
+        parsed = check_precision(type(self).__name__, precision)
         given = f"DistAMPPrecision(precision={precision!r})"
         check_policy_precision(policy, parsed, given=given)  # before a scaler is chosen for it
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -110,9 +113,35 @@ class DistAMPPrecision(MixedPrecision):
         self.policy = policy
         self.trust_ddp_sync = bool(trust_ddp_sync)
         self._trusted: set[int] = set()  # DDP modules registered with trust_ddp_sync=True
-        self.metrics = AMPMetrics(device)
+        self._metrics: AMPMetrics | None = None  # built at first use: no device touched here
+        self._needs_scaler = parsed.needs_scaler
+        self._checked_scaler = self.scaler  # a replacement is checked at its first use
+        self._pinned_scaler: Any = None  # the one a policy's adaptive rules watch
+        self._probe = SkipProbe()
         self._last_norm: torch.Tensor | None = None
         self._skipped: torch.Tensor | None = None
+
+    @property
+    def metrics(self) -> AMPMetrics:
+        """The loss-scale health and throughput window, built on ``device`` at first use (so
+        that building the plug-in touches no device, as Lightning's own plug-ins)."""
+        if self._metrics is None:
+            self._metrics = AMPMetrics(self.device)
+        return self._metrics
+
+    def _scaler_now(self) -> Any:
+        """The scaler in :attr:`scaler`, checked once after each replacement, before anything
+        of the step is applied (see :func:`~distamp.integrations.scaler_slot.check_scaler`)."""
+        scaler = self.scaler
+        if scaler is not self._checked_scaler:
+            check_scaler(
+                scaler,
+                owner=f"{type(self).__name__}.scaler",
+                needs_scaler=self._needs_scaler,
+                pinned=self._pinned_scaler,
+            )
+            self._checked_scaler = scaler
+        return scaler
 
     # ------------------------------------------------------------------ forward
     @override
@@ -126,15 +155,17 @@ class DistAMPPrecision(MixedPrecision):
                     module,
                     policy=self.policy,
                     precision=self.precision,
-                    scaler=self.scaler,
+                    scaler=self._scaler_now(),
                     owner=type(self).__name__,
                 )
-        if isinstance(self.scaler, DistributedGradScaler):
-            self.scaler.register_module(module)  # parameter names for overflow reports
+                self._pinned_scaler = self.scaler if self.adaptive is not None else None
+        scaler = self._scaler_now()
+        if isinstance(scaler, DistributedGradScaler):
+            scaler.register_module(module)  # parameter names for overflow reports
         agree_plugin_settings(  # one collective per setup(): ranks built differently fail here
             type(self).__name__,
             precision=self.precision,
-            scaler=self.scaler,
+            scaler=scaler,
             policy=self.policy,
             trust_ddp_sync=self.trust_ddp_sync,
         )
@@ -151,7 +182,7 @@ class DistAMPPrecision(MixedPrecision):
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
         """Register the DDP module (once) when ``trust_ddp_sync=True``: only now is it built."""
         ddp = isinstance(module, torch.nn.parallel.DistributedDataParallel)
-        scaler = self.scaler
+        scaler = self._scaler_now()  # a replacement is checked before the loss is scaled
         if ddp and self.trust_ddp_sync and id(module) not in self._trusted:
             if isinstance(scaler, DistributedGradScaler):
                 scaler.register_module(module, trust_ddp_sync=True)
@@ -163,8 +194,9 @@ class DistAMPPrecision(MixedPrecision):
     def unscale_gradients(self, optimizer: Any) -> None:
         """Unscale in place (before reading gradient values). Unlike Lightning's plugin this
         also works for fused optimizers: the scaler then tells their step not to unscale again."""
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+        scaler = self._scaler_now()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
 
     def clip_grad_norm_(
         self, optimizer: Any, max_norm: float, norm_type: float = 2.0
@@ -180,8 +212,8 @@ class DistAMPPrecision(MixedPrecision):
             The total gradient norm before clipping (0-dim tensor; no host sync).
         """
         optimizer = getattr(optimizer, "optimizer", optimizer)  # a _FabricOptimizer
-        scaler = self.scaler
-        if scaler is not None and hasattr(scaler, "clip_grad_norm_"):
+        scaler = self._scaler_now()
+        if isinstance(scaler, DistributedGradScaler):
             norm = scaler.clip_grad_norm_(optimizer, max_norm, norm_type)
         else:
             self.unscale_gradients(optimizer)
@@ -192,11 +224,16 @@ class DistAMPPrecision(MixedPrecision):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Step (skipped on every rank if any rank saw inf/NaN), update the scale, record."""
+        """Step (skipped on every rank if any rank saw inf/NaN), update the scale, record.
+
+        The skip is read from the scaler in :attr:`scaler` (a replaced one is checked first): a
+        distamp scaler's agreed flag without a host sync, another's scale drop with one.
+        """
+        scaler = self._scaler_now()
+        self._probe.before(scaler)
         out = super().optimizer_step(optimizer, **kwargs)
-        scaler = self.scaler
-        if isinstance(scaler, DistributedGradScaler) and scaler.is_enabled():
-            self._skipped = scaler.last_step_skipped
+        if scaler is not None:
+            self._skipped = self._probe.after(scaler)
         self.metrics.step(scaler, self._last_norm)
         self._last_norm = None
         if self.adaptive is not None:  # decided inside scaler.update(), the same on every rank
@@ -226,10 +263,10 @@ class DistAMPPrecision(MixedPrecision):
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state and the adaptive run's (Fabric saves it when the plugin is in
         the state passed to ``fabric.save``)."""
-        return plugin_state(self.scaler, self.adaptive)
+        return plugin_state(self._scaler_now(), self.adaptive)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the scaler and replay the adaptive run's changes, both checked first (a
         refused state changes nothing)."""
-        load_plugin_state(state_dict, self.scaler, self.adaptive)
+        load_plugin_state(state_dict, self._scaler_now(), self.adaptive)
