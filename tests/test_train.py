@@ -37,10 +37,10 @@ def _run(cmd: list[str], timeout: float = 120) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch:
         if TRAIN in cmd and "--out" not in cmd and "--help" not in cmd:
             cmd = [*cmd, "--out", scratch]
+        pipe = subprocess.PIPE
         proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True,
-        )  # fmt: skip
+            cmd, cwd=REPO, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -295,10 +295,9 @@ def test_a_multi_rank_strategy_without_a_launcher_is_a_usage_error_with_the_comm
     ``distamp launch`` line starting the same run (the user's arguments kept), not the
     engine's traceback about init_distributed()."""
     argv = ["--strategy", strategy, "--steps", "5", "--data", "my play.txt"]
-    done = subprocess.run(
-        [sys.executable, "launch/train.py", *argv],
-        cwd=REPO, env=launcher_free_env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    clean = launcher_free_env()
+    command = [sys.executable, "launch/train.py", *argv]
+    done = subprocess.run(command, cwd=REPO, env=clean, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "init_distributed" not in done.stderr
     line = (
@@ -331,10 +330,11 @@ def test_export_to_onnx_in_bf16_is_a_usage_error_before_training() -> None:
 def test_a_run_without_out_is_kept_under_runs_and_says_how_to_export_it(tmp_path: Path) -> None:
     """No --out: the run goes to runs/<start time> under the working directory, and the end
     prints that path with the export command, which works as printed."""
+    clean = launcher_free_env()
+    train = [sys.executable, TRAIN, "--steps", "2", "--precision", "bf16"]
     done = subprocess.run(
-        [sys.executable, TRAIN, "--steps", "2", "--precision", "bf16"],
-        cwd=tmp_path, env=launcher_free_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        train, cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (run,) = (tmp_path / "runs").iterdir()
     rel = f"runs/{run.name}"
@@ -343,10 +343,10 @@ def test_a_run_without_out_is_kept_under_runs_and_says_how_to_export_it(tmp_path
     command = f"distamp export {rel} -o model.pt2"
     assert f"saved to {rel}; for inference: {command}" in done.stderr, done.stderr[-2000:]
     json.loads(done.stdout.strip().splitlines()[-1])  # the summary is still the last line
+    export = [sys.executable, "-m", "distamp.cli", *command.split()[1:]]
     exported = subprocess.run(
-        [sys.executable, "-m", "distamp.cli", *command.split()[1:]],
-        cwd=tmp_path, env=launcher_free_env(), capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        export, cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=240
+    )
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (tmp_path / "model.pt2").is_file() and (tmp_path / "model.pt2.json").is_file()
 
