@@ -25,6 +25,7 @@ from distamp.deploy import export
 from distamp.engine import DistAMP
 from distamp.engine.checkpoint import CheckpointError
 from distamp.engine.config import check_settings
+from distamp.engine.guards import ConsecutiveSkipsError, SpikeGuard
 from distamp.observe.metrics import StepResult, WindowStats
 from distamp.observe.telemetry import Telemetry
 from distamp.observe.writers import ProgressPrinter, make_writer
@@ -42,6 +43,7 @@ __all__ = [
     "AutocastPolicy",
     "DistAMP",
     "DistributedGradScaler",
+    "SpikeGuard",
     "StepResult",
     "audit",
     "check_settings",
@@ -75,6 +77,7 @@ __all__ = [
     # errors
     "CheckpointError",
     "CollectiveTimeoutError",
+    "ConsecutiveSkipsError",
     "RendezvousError",
     "ScaleUnderflowError",
     "ScalerStateError",

@@ -106,3 +106,12 @@ def test_at_most_twelve_modules_directly_in_the_package() -> None:
     root = Path(distamp.__file__).parent
     modules = sorted(p.name for p in root.glob("*.py"))
     assert len(modules) <= 12, modules
+
+
+def test_step_guards_are_exported() -> None:
+    """The spike guard and the error of the consecutive-skip limit are public, as DistAMP's
+    ``spike_guard=`` and ``max_consecutive_skips=`` are."""
+    for name in ("SpikeGuard", "ConsecutiveSkipsError"):
+        assert name in distamp.__all__, name
+    assert issubclass(distamp.ConsecutiveSkipsError, RuntimeError)
+    assert distamp.StepResult(None, None, None, spike=True).skip_reason == "spike"

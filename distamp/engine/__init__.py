@@ -15,6 +15,7 @@
 - :mod:`~distamp.engine.loop`: the run loop (``fit``) and pipeline glue, a base of
   :class:`DistAMP` written against the engine's public face (:class:`~distamp.engine.loop.Engine`);
 - :mod:`~distamp.engine.accounting`: the accumulation cycle's call order and the skip reports;
+- :mod:`~distamp.engine.guards`: the spike guard and the limit on consecutive skips;
 - :mod:`~distamp.engine.checkpoint`: atomic checkpoints, DCP for sharded state, every rank
   saving or loading or none (:mod:`~distamp.engine.checkpoint_layout`: the directory's layout
   and its errors; :mod:`~distamp.engine.integrity`: each file's size and CRC-32, recorded at

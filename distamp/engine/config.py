@@ -15,14 +15,17 @@ field                         accepted
 ``hsdp_shard_size``           None, or an integer in [1, 2**31 - 1]
 ``ft_manager``                None, or a ``torchft.Manager`` (else ``TypeError``)
 ``ddp_kwargs``                None, or :data:`~distamp.parallel.ddp.DDP_KWARGS` (a mapping)
+``spike_guard``               None, or a :class:`~distamp.SpikeGuard` (else ``TypeError``)
+``max_consecutive_skips``     None, or an integer in [1, 2**31 - 1]
 ============================  ===========================================
 
 With ``ft_manager`` the engine wraps the model in torchft's DDP across replica groups and agrees
 through the Manager, so what cannot combine with that is refused (``ValueError``): a sharded
 ``strategy`` (shard inside a replica group yourself, then pass the model), a ``comm_hook``
 (torchft's DDP owns the gradient all-reduce), ``trust_ddp_sync=True`` (the flag must cross the
-replicas through the Manager), ``ddp_kwargs`` (torchft's DDP takes none) and a ``scaler`` built
-over anything but that Manager.
+replicas through the Manager), ``ddp_kwargs`` (torchft's DDP takes none), a ``scaler`` built
+over anything but that Manager, and a ``spike_guard`` (its skip would bypass the Manager's commit
+vote, which rides in the scaler's step).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 
 from distamp.agreement.replicas import is_ft_manager
 from distamp.arguments import INT32_MAX, ArgumentTypeError, as_integer, as_real
+from distamp.engine.guards import SpikeGuard
 from distamp.observe.telemetry import Telemetry
 from distamp.parallel.ddp import ddp_options
 from distamp.parallel.strategies import COMM_HOOKS, SHARDED, STRATEGIES
@@ -85,6 +89,8 @@ class AMPConfig:
     numerics_interval: int | None = None
     ddp_kwargs: Mapping[str, Any] | None = None
     telemetry: Telemetry | None = None
+    spike_guard: SpikeGuard | None = None
+    max_consecutive_skips: int | None = 100
 
     def __post_init__(self) -> None:
         for flag in ("trust_ddp_sync", "trace_nonfinite"):
@@ -166,10 +172,30 @@ class AMPConfig:
                     "model yourself (parallelize_module, fully_shard, pipeline stages) and the "
                     "engine wraps nothing; use strategy='auto' or 'none'"
                 )
+        self._check_guards()
         if self.ft_manager is not None:
             self._check_ft_manager()
         if self.ddp_kwargs is not None:
             object.__setattr__(self, "ddp_kwargs", self._checked_ddp_kwargs(self.ddp_kwargs))
+
+    def _check_guards(self) -> None:
+        """``spike_guard`` and ``max_consecutive_skips`` (see :mod:`distamp.engine.guards`)."""
+        guard = self.spike_guard
+        if guard is not None and not isinstance(guard, SpikeGuard):
+            raise ArgumentTypeError(
+                f"spike_guard={guard!r:.80} ({type(guard).__name__}): pass "
+                "distamp.SpikeGuard(window=..., sigmas=...) or None"
+            )
+        limit = self.max_consecutive_skips
+        if limit is not None:
+            limit = _integer("max_consecutive_skips", limit)
+            if not 1 <= limit <= INT32_MAX:
+                raise ValueError(
+                    f"max_consecutive_skips={limit!r}: the most optimizer steps skipped in a "
+                    f"row before the run stops; give an int in [1, {INT32_MAX}], or None (no "
+                    "limit)"
+                )
+            object.__setattr__(self, "max_consecutive_skips", limit)
 
     def _checked_ddp_kwargs(self, given: Any) -> dict[str, Any] | None:
         """``ddp_kwargs`` checked (:func:`~distamp.parallel.ddp.ddp_options`), then refused
@@ -209,6 +235,11 @@ class AMPConfig:
                 f"ft_manager with comm_hook={self.comm_hook!r}: torchft's DDP all-reduces the "
                 "gradients through the Manager with its own hook; use comm_hook=None, or 'fp8' "
                 "/ 'fp8-ef' (8-bit gradients across the replicas)"
+            )
+        if self.spike_guard is not None:
+            raise ValueError(
+                "ft_manager with spike_guard: a spike skip would bypass the Manager's commit "
+                "vote, which rides in the scaler's step; drop spike_guard under torchft"
             )
         if self.trust_ddp_sync:
             raise ValueError(

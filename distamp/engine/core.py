@@ -31,6 +31,7 @@ from distamp.agreement.traffic import grad_traffic
 from distamp.cluster import is_distributed, named_collective
 from distamp.engine.accounting import MicroBatchCycle, SkipReports, release_grads
 from distamp.engine.config import AMPConfig, make_config, make_scaler, training_device
+from distamp.engine.guards import SpikeGuard, StepGuards
 from distamp.engine.instruments import attach_tracer, build_adaptive, detach_instruments
 from distamp.engine.lifecycle import join_group, leave_group
 from distamp.engine.loop import RunLoop
@@ -111,6 +112,15 @@ class DistAMP(EnginePersistence, RunLoop):
             rank (``DIR/telemetry/rank<r>.jsonl``, plus its writers), the monitor then running
             every ``telemetry.interval`` steps unless ``numerics_interval`` says otherwise; what
             ``distamp report DIR`` draws (:mod:`distamp.observe.telemetry`).
+        spike_guard: a :class:`~distamp.SpikeGuard`: skip a step whose loss (or, with
+            ``max_grad_norm``, gradient norm) lies far above the recent taken steps', on every
+            rank alike; one small all-reduce and one host sync per step (see there).
+        max_consecutive_skips: after this many skipped steps in a row (overflow and spike
+            alike) raise :class:`~distamp.ConsecutiveSkipsError` on every rank, with the
+            overflow report, instead of spinning at the scale's floor; ``None``: no limit. The
+            count stays on the device and is read where the step reads anyway (a scheduler
+            attached, the spike guard on), else every 8 steps, so the limit may be noticed up
+            to 7 steps late and the step stays free of host syncs in between.
 
     Raises:
         ValueError: a bad setting; the message names the field and echoes the value.
@@ -134,6 +144,7 @@ class DistAMP(EnginePersistence, RunLoop):
     step_count: int  # optimizer steps completed (skipped ones included)
     cycle: MicroBatchCycle  # backward() calls since the last step(), and their call order
     skips: SkipReports  # skipped steps reported at logging steps; the scale-health warning
+    guards: StepGuards  # the spike guard and the consecutive-skip limit (either may be off)
     _model: nn.Module | None  # the wrapped model (None before setup and after close)
     _optimizer: torch.optim.Optimizer | None
     _owns_group: bool  # setup() created the process group, so close() destroys it
@@ -157,6 +168,8 @@ class DistAMP(EnginePersistence, RunLoop):
         ft_manager: Any = None,
         ddp_kwargs: Mapping[str, Any] | None = None,
         telemetry: Telemetry | None = None,
+        spike_guard: SpikeGuard | None = None,
+        max_consecutive_skips: int | None = 100,
     ) -> None:
         self.config = make_config(
             precision, policy=policy, timeout=timeout, device=device, strategy=strategy,
@@ -164,13 +177,15 @@ class DistAMP(EnginePersistence, RunLoop):
             grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm, scaler=scaler,
             trust_ddp_sync=trust_ddp_sync, ft_manager=ft_manager,
             trace_nonfinite=trace_nonfinite, numerics_interval=numerics_interval,
-            ddp_kwargs=ddp_kwargs, telemetry=telemetry,
+            ddp_kwargs=ddp_kwargs, telemetry=telemetry, spike_guard=spike_guard,
+            max_consecutive_skips=max_consecutive_skips,
         )  # fmt: skip
         self.strategy, self.mp_owner, self.device = strategy, "none", torch.device("cpu")
         self.scaler = scaler if scaler is not None else DistributedGradScaler("cpu", enabled=False)
         self.scheduler, self.metrics = None, Metrics(self.device)
         self.tracer, self.fp8, self.comm_hook_state, self.quorum = None, None, None, None
         self.adaptive, self.skips = None, SkipReports()
+        self.guards = StepGuards(self.config.spike_guard, self.config.max_consecutive_skips)
         self.step_count, self.cycle = 0, MicroBatchCycle(self.config.grad_accum_steps)
         self._model, self._optimizer, self._owns_group = None, None, False
 
@@ -311,12 +326,17 @@ class DistAMP(EnginePersistence, RunLoop):
         self.cycle.backward_done()
 
     def step(self) -> StepResult:
-        """Unscale, clip, step the optimizer (unless gradients are non-finite on any rank), update
-        the scale, step the scheduler if the optimizer stepped, and zero the gradients.
+        """Unscale, clip, step the optimizer (unless gradients are non-finite on any rank, or the
+        spike guard finds a spike), update the scale, step the scheduler if the optimizer
+        stepped, and zero the gradients.
 
         Host syncs: those of the scaler's ``step`` (none for fused optimizers or ``sync_free``),
         plus one to read the skip decision when a scheduler is attached (a Python scheduler cannot
-        be stepped conditionally on device).
+        be stepped conditionally on device), plus one for the spike guard's decision when it is
+        on; the consecutive-skip count is read with those, else every 8 steps.
+
+        Raises:
+            ConsecutiveSkipsError: ``max_consecutive_skips`` steps in a row were skipped.
         """
         opt, scaler, norm = self.optimizer, self.scaler, None
         self.cycle.check_step()
@@ -326,21 +346,29 @@ class DistAMP(EnginePersistence, RunLoop):
             #    collective; the clip factor is applied once (inside a fused optimizer's step)
             if self.config.max_grad_norm is not None:
                 norm = scaler.clip_grad_norm_(opt, self.config.max_grad_norm)
-            # 2. step, or skip on every rank alike; 3. update the scale
-            scaler.step(opt)
+            # 2. the spike guard: the step's loss agreed (one all-reduce) and read with the norm
+            spike = self.guards.before_step(self.metrics.step_loss, norm, scaler, self.step_count)
+            # 3. step, or skip on every rank alike; 4. update the scale. A spike skips the
+            #    optimizer; the update still ends the scaler's iteration (not backed off unless
+            #    the gradients also overflowed), after an unscale_ that reads the flags.
+            if not spike:
+                scaler.step(opt)
+            elif norm is None:
+                scaler.unscale_(opt)
             scaler.update()
-            # 4. fp8 under FSDP2: the next step's float8 weight scales, one all-reduce
+            # 5. fp8 under FSDP2: the next step's float8 weight scales, one all-reduce
             if self.fp8 is not None:
                 self.fp8.after_step(self.model)
-        result = StepResult.capture(scaler, norm)
-        # 5. the scheduler, only after a real optimizer step (host sync, see docstring)
+        result = StepResult.capture(scaler, norm, spike)
+        # 6. the scheduler, only after a real optimizer step (host sync, see docstring)
         if self.scheduler is not None and result.stepped:
             self.scheduler.step()
-        # 6. next cycle: gradients released, metrics counted
+        # 7. next cycle: gradients released, metrics counted, the skip streak checked
         release_grads(opt)
         if self.quorum is not None:  # torchft: the next forward asks for the next quorum
             self.quorum.end()
-        self.metrics.end_step(norm, scaler)
+        self.metrics.end_step(norm, scaler, spike)
+        self.guards.after_step(scaler, decided=self.scheduler is not None)
         self.cycle.reset()
         self.step_count += 1
         return result

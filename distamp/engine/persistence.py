@@ -22,7 +22,9 @@ from distamp.cluster import named_collective
 from distamp.engine.accounting import MicroBatchCycle, SkipReports
 from distamp.engine.checkpoint import apply_checkpoint, read_checkpoint, save_checkpoint
 from distamp.engine.config import AMPConfig
+from distamp.engine.guards import StepGuards
 from distamp.engine.resume import check_resume
+from distamp.observe.metrics import Metrics
 from distamp.parallel.comm_hooks import comm_state_dict, load_comm_state
 from distamp.precision.adaptive_run import AdaptiveRun
 from distamp.precision.fp8 import Float8Training
@@ -39,6 +41,8 @@ class Persisted(Protocol):
     step_count: int
     cycle: MicroBatchCycle
     skips: SkipReports
+    guards: StepGuards
+    metrics: Metrics
     scaler: DistributedGradScaler
     scheduler: Any
     adaptive: AdaptiveRun | None
@@ -62,12 +66,15 @@ class EnginePersistence:
     module doc); a base of the engine, written against :class:`Persisted` only."""
 
     def state_dict(self: Persisted) -> dict[str, Any]:
-        """The small, rank-identical state: step counter, scaler, scheduler (syncs: the scaler)."""
+        """The small, rank-identical state: step counter, scaler, scheduler, the spike guard's
+        history (syncs: the scaler, the guard's last overflow flag)."""
         sched = self.scheduler.state_dict() if self.scheduler is not None else None
         state = {"step": self.step_count, "precision": self.precision.name}  # resume converts
         state.update(scaler=self.scaler.state_dict(), scheduler=sched)
         if self.adaptive is not None:  # precision changes, replayed by load_state
             state["adaptive"] = self.adaptive.state_dict()
+        if self.guards.spike is not None:  # a resumed run decides as this one would have
+            state["spike_guard"] = self.guards.spike.state_dict()
         return state
 
     def save_state(self: Persisted, directory: str | Path, *, keep: int = 2) -> Path:
@@ -115,6 +122,7 @@ class EnginePersistence:
                     scheduler=self.scheduler,
                     adaptive=self.adaptive,
                     comm_state=self.comm_hook_state,
+                    spike=self.guards.spike,
                 ),
             )
             if read is None:
@@ -124,4 +132,7 @@ class EnginePersistence:
             if self.fp8 is not None:
                 self.fp8.after_step(self.model)  # the loaded weights' float8 scales
         self.step_count = read.checked.apply(self.scaler, self.scheduler, self.adaptive, self.skips)
+        if self.guards.spike is not None and read.checked.spike_guard is not None:
+            self.guards.spike.load_state_dict(read.checked.spike_guard)
+            self.metrics.spike_skips = self.guards.spike.spike_skips
         return True

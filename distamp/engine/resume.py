@@ -28,6 +28,7 @@ from distamp.cluster import is_distributed
 from distamp.engine.accounting import SkipReports
 from distamp.engine.checkpoint import CheckpointRead
 from distamp.engine.checkpoint_layout import unreadable
+from distamp.engine.guards import SpikeWatch
 from distamp.parallel.comm_hooks import check_comm_state
 from distamp.precision.policy import Precision, parse_precision
 from distamp.scaler import DistributedGradScaler
@@ -35,7 +36,7 @@ from distamp.scaler import DistributedGradScaler
 __all__ = ["ResumePlan", "check_resume", "plan_resume"]
 
 _log = logging.getLogger("distamp.engine")
-_KNOWN = frozenset({"step", "scaler", "scheduler", "adaptive", "precision", "meta"})
+_KNOWN = frozenset({"step", "scaler", "scheduler", "adaptive", "precision", "meta", "spike_guard"})
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class ResumePlan:
     scheduler: dict[str, Any] | None  # None: the scheduler keeps its state
     adaptive: dict[str, Any] | None
     note: str | None  # what was converted (precision change), logged when applied
+    spike_guard: dict[str, Any] | None = None  # the spike guard's history; None: kept
 
     def apply(
         self, scaler: DistributedGradScaler, scheduler: Any, adaptive: Any, skips: SkipReports
@@ -72,6 +74,7 @@ def check_resume(
     scheduler: Any,
     adaptive: Any,
     comm_state: Any,
+    spike: SpikeWatch | None = None,
 ) -> ResumePlan:
     """Everything of ``read`` that is specific to this engine, checked (the ``check`` of
     :func:`~distamp.engine.checkpoint.read_checkpoint`, so that the ranks agree on it): this
@@ -95,6 +98,7 @@ def check_resume(
         scaler=scaler,
         scheduler=scheduler,
         adaptive=adaptive,
+        spike=spike,
     )
 
 
@@ -110,6 +114,7 @@ def plan_resume(
     scaler: DistributedGradScaler,
     scheduler: Any,
     adaptive: Any,
+    spike: SpikeWatch | None = None,
 ) -> ResumePlan:
     """Check ``trainer`` (the contents of ``file``) against this engine; modifies nothing.
 
@@ -118,6 +123,8 @@ def plan_resume(
         precision: this run's precision.
         scaler, scheduler: this engine's (``scheduler`` may be ``None``).
         adaptive: this engine's :class:`~distamp.precision.adaptive_run.AdaptiveRun` or ``None``.
+        spike: this engine's :class:`~distamp.engine.guards.SpikeWatch` or ``None`` (a saved
+            history without a guard here is not restored; a guard without one starts afresh).
 
     Raises:
         ValueError: a field is missing, of the wrong type or out of range, or does not fit this
@@ -151,7 +158,15 @@ def plan_resume(
             raise ValueError(f"checkpoint file {file}: field 'adaptive': {exc}") from None
     else:
         adaptive_sd = None
-    return ResumePlan(step, scaler_sd, sched_sd, adaptive_sd, note)
+    spike_sd = trainer.get("spike_guard")
+    if spike is not None and spike_sd is not None:
+        try:
+            spike_sd = spike.check_state_dict(spike_sd)
+        except ValueError as exc:
+            raise ValueError(f"checkpoint file {file}: field 'spike_guard': {exc}") from None
+    else:
+        spike_sd = None
+    return ResumePlan(step, scaler_sd, sched_sd, adaptive_sd, note, spike_sd)
 
 
 def _saved_precision(trainer: Mapping[str, Any], saved_sd: dict[str, Any], file: Path) -> str:

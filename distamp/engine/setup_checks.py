@@ -131,6 +131,8 @@ def engine_settings(cfg: AMPConfig, strategy: str, device: torch.device) -> dict
         "ddp_kwargs": None if cfg.ddp_kwargs is None else sorted(cfg.ddp_kwargs.items()),
         "mesh": None if mesh is None else (tuple(mesh.shape), mesh.mesh_dim_names),
         "scaler": "default" if cfg.scaler is None else type(cfg.scaler).__name__,
+        "spike_guard": None if cfg.spike_guard is None else repr(cfg.spike_guard),
+        "max_consecutive_skips": cfg.max_consecutive_skips,
         **describe_policy(cfg.policy),
     }
     if cfg.scaler is not None:

@@ -59,6 +59,9 @@ class WindowStats:
         grad_bytes: bytes this rank sent for gradients per step in the window (the payload:
             :mod:`distamp.agreement.traffic`); ``None`` where the path is not counted.
         grad_scale_bytes: the scales sent alongside (8-bit hooks), per step; ``None`` likewise.
+        spike_skips: steps skipped by the spike guard since the start (``DistAMP(spike_guard=
+            ...)``), counted apart from ``skipped_steps`` (non-finite gradients) because the
+            two call for different fixes (the data or the learning rate vs the format).
     """
 
     step: int
@@ -73,6 +76,7 @@ class WindowStats:
     overflow_rate: float = 0.0
     grad_bytes: float | None = None
     grad_scale_bytes: float | None = None
+    spike_skips: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Every field by name, as the writers take it (no host sync: all are Python values)."""
@@ -83,28 +87,43 @@ class StepResult:
     """The outcome of one optimizer step. Reading a property syncs with the device; building the
     result does not, so a loop that ignores it never waits."""
 
-    __slots__ = ("_norm", "_scale", "_skipped")
+    __slots__ = ("_norm", "_scale", "_skipped", "_spike")
 
     def __init__(
-        self, skipped: torch.Tensor | None, scale: torch.Tensor | None, norm: torch.Tensor | None
+        self,
+        skipped: torch.Tensor | None,
+        scale: torch.Tensor | None,
+        norm: torch.Tensor | None,
+        spike: bool = False,
     ) -> None:
-        self._skipped, self._scale, self._norm = skipped, scale, norm
+        self._skipped, self._scale, self._norm, self._spike = skipped, scale, norm, spike
 
     @classmethod
-    def capture(cls, scaler: Any, norm: torch.Tensor | None) -> StepResult:
-        """Snapshot a scaler right after ``update()``, without a host sync."""
+    def capture(cls, scaler: Any, norm: torch.Tensor | None, spike: bool = False) -> StepResult:
+        """Snapshot a scaler right after ``update()``, without a host sync. ``spike``: the
+        spike guard skipped the step (a decision already on the host)."""
         if scaler is None or not scaler.is_enabled():
-            return cls(None, None, norm)
+            return cls(None, None, norm, spike)
         skipped = getattr(scaler, "last_step_skipped", None)
         # The tensor, not get_scale() (a host sync); copied, since the next update() changes it.
         scale = current_loss_scale(scaler)
         scale = None if scale is None else scale.detach().clone()
-        return cls(skipped if isinstance(skipped, torch.Tensor) else None, scale, norm)
+        return cls(skipped if isinstance(skipped, torch.Tensor) else None, scale, norm, spike)
 
     @property
     def stepped(self) -> bool:
-        """Whether the optimizer applied this step (False: skipped for inf/NaN gradients)."""
-        return self._skipped is None or not bool(self._skipped)  # host sync, on request
+        """Whether the optimizer applied this step (False: skipped, see :attr:`skip_reason`)."""
+        return self.skip_reason is None
+
+    @property
+    def skip_reason(self) -> str | None:
+        """Why the step was skipped: ``"overflow"`` (inf/NaN gradients on some rank; the scale
+        backed off), ``"spike"`` (the spike guard: finite, but the loss or the gradient norm far
+        above the recent ones), or ``None`` (the optimizer stepped). An overflow wins when both
+        happened. Host sync (the overflow flag), on request."""
+        if self._skipped is not None and bool(self._skipped):  # host sync, on request
+            return "overflow"
+        return "spike" if self._spike else None
 
     @property
     def loss_scale(self) -> float:
@@ -118,8 +137,8 @@ class StepResult:
 
     def __repr__(self) -> str:
         return (
-            f"StepResult(stepped={self.stepped}, loss_scale={self.loss_scale}, "
-            f"grad_norm={self.grad_norm})"
+            f"StepResult(stepped={self.stepped}, skip_reason={self.skip_reason!r}, "
+            f"loss_scale={self.loss_scale}, grad_norm={self.grad_norm})"
         )
 
 
@@ -152,6 +171,7 @@ class Metrics:
         self._skips_base: int | None = None  # the scaler's skip counter at the window's start
         self._flags_fed = False  # whether steps came with their scaler (see _overflow_rate)
         self._tokens_seen = False  # whether any rank counted tokens in a collected window
+        self.spike_skips = 0  # steps the spike guard skipped since the start (host count)
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -168,6 +188,13 @@ class Metrics:
         """Optimizer steps fed since the window opened (a Python count: no sync)."""
         return self._steps
 
+    @property
+    def step_loss(self) -> torch.Tensor | None:
+        """This rank's mean loss over the micro-batches of the step in progress (a 0-dim device
+        tensor: no sync), or ``None`` when none was recorded (a pipeline stage before the last).
+        """
+        return None if self._step_micro == 0 else self._step_loss / self._step_micro
+
     def record(self, loss: torch.Tensor, tokens: int = 0) -> None:
         """Add one micro-batch's (unscaled, undivided) loss and its token count. No host sync."""
         value = loss.detach().to(torch.float32).reshape(())  # a shape-[1] loss is one number
@@ -182,7 +209,12 @@ class Metrics:
         loops that do not :meth:`record` losses. No host sync."""
         self._tokens += int(tokens)
 
-    def end_step(self, grad_norm: torch.Tensor | float | None = None, scaler: Any = None) -> None:
+    def end_step(
+        self,
+        grad_norm: torch.Tensor | float | None = None,
+        scaler: Any = None,
+        spike: bool = False,
+    ) -> None:
         """Close one optimizer step (call it after the scaler's ``update()``). No host sync.
 
         Args:
@@ -191,12 +223,14 @@ class Metrics:
             scaler: the loss scaler; its on-device ``last_step_skipped`` flag is added on device
                 so the first window's overflow rate needs no extra sync (see :meth:`collect`).
                 ``None`` or a disabled scaler: nothing is flagged.
+            spike: the spike guard skipped the step (counted in ``spike_skips``).
         """
         # The step's mean micro-batch loss becomes the "last step" figure.
         self._last_step_loss, self._last_step_micro = self._step_loss, max(1, self._step_micro)
         self._step_loss, self._step_micro = self._zero.clone(), 0
         self._steps += 1
         self._steps_total += 1
+        self.spike_skips += int(spike)
         if grad_norm is not None:
             self._norm = torch.as_tensor(grad_norm).detach().to(self.device, torch.float32)
         if _enabled(scaler):
@@ -268,6 +302,7 @@ class Metrics:
             overflow_rate=self._overflow_rate(skipped, round(flagged)),
             grad_bytes=grad_bytes,
             grad_scale_bytes=grad_scale_bytes,
+            spike_skips=self.spike_skips,
         )
         self._reset_window()
         return stats
