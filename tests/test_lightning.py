@@ -159,7 +159,7 @@ def _policy_dtypes(rank: int, world: int) -> dict[str, str]:
     from distamp.integrations.lightning import DistAMPPrecision
     from distamp.precision.policy import AutocastPolicy
 
-    plugin = DistAMPPrecision("fp16", device="cpu", policy=AutocastPolicy("fp16"))
+    plugin = DistAMPPrecision("16-mixed", device="cpu", policy=AutocastPolicy("fp16"))
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
     seen: dict[str, str] = {}

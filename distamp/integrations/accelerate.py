@@ -140,6 +140,14 @@ class DistAMPAccelerator(Accelerator):
     ``backward``, ``accumulate``, ``clip_grad_norm_``, ``save_state``/``load_state``); three
     keyword arguments are added.
 
+    ``accelerator.scaler`` stays Accelerate's public attribute and is honoured when replaced
+    (``trainer.accelerator.scaler = torch.amp.GradScaler()``, before or after ``prepare``):
+    ``backward`` scales with it, the prepared optimizers step with it and read their skip from
+    it. One that cannot be honoured (no ``GradScaler`` methods, ``None`` with fp16, a loss
+    scaler with bf16, another than the one a policy's adaptive rules watch) is refused at the
+    next ``backward`` or step, before anything is applied
+    (:mod:`~distamp.integrations.scaler_slot`).
+
     Args:
         *args, **kwargs: passed to ``accelerate.Accelerator``.
         scaler: the scaler to use (e.g. ``DistributedGradScaler(sync_free=True)``). ``None``:

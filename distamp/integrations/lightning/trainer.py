@@ -14,8 +14,11 @@ base, :class:`~distamp.integrations.lightning.base.TrainerPrecisionBase`):
   (:class:`~distamp.integrations.lightning.scheduler.SkipAwareScheduler`, installed in
   ``connect``);
 - clip through ``Trainer(gradient_clip_val=...)`` / ``configure_gradient_clipping`` with the
-  scaler's one-pass, one-collective ``clip_grad_norm_``, also for fused optimizers (Lightning
-  raises) and under FSDP (Lightning's ``FSDPPrecision`` refuses norm clipping);
+  scaler's one-pass, one-collective ``clip_grad_norm_``, also for fused optimizers and under FSDP
+  (Lightning's ``FSDPPrecision`` refuses norm clipping). A deliberate difference: Lightning's
+  ``MixedPrecision`` raises for a fused optimizer ("does not allow for gradient clipping"), as
+  such an optimizer unscales inside its step; distamp folds the clip coefficient into that
+  unscale instead, so the clip is exact and costs no extra pass;
 - save and restore the scaler (scale, growth and hysteresis trackers, skip counter) in Trainer
   checkpoints;
 - take an :class:`~distamp.AutocastPolicy` for the modules and ops that stay in fp32, and run
@@ -69,12 +72,16 @@ class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
     Pass it instead of ``precision=`` (Lightning refuses both at once).
 
     Args:
-        precision: ``"16-mixed"`` or ``"bf16-mixed"`` (or any spelling distamp parses:
-            ``"fp16"``, ``torch.float16``...).
+        precision: ``"16-mixed"`` or ``"bf16-mixed"``, the values Lightning's ``MixedPrecision``
+            accepts (any other is refused as Lightning refuses it).
         device: the device type for autocast; ``None``: ``"cuda"`` if available, else
-            ``"cpu"``. Pass ``"cpu"`` for a CPU run on a machine with GPUs.
+            ``"cpu"``. Pass ``"cpu"`` for a CPU run on a machine with GPUs. Nothing is allocated
+            on it before the plug-in is used (it builds on a host without that device).
         scaler: the fp16 scaler; ``None`` creates a :class:`~distamp.DistributedGradScaler`.
-            Must be ``None`` for bf16 (no loss scaling).
+            Must be ``None`` for bf16 (no loss scaling). Kept in ``scaler``, which may be
+            replaced later by any ``torch.amp.GradScaler``-like object: the next step uses it
+            and reads its skip from it, or refuses it before anything is applied (see
+            :class:`~distamp.integrations.lightning.base.TrainerPrecisionBase`).
         policy: an :class:`~distamp.AutocastPolicy`: its fp32 modules are set up in
             ``convert_module`` and its context replaces bare autocast in the forward pass.
         unscale: when the gradients are unscaled. ``"before_hooks"``: right after backward, so
@@ -89,8 +96,8 @@ class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
             rank after the all-reduce (``on_after_backward`` hooks) is still agreed on.
 
     Raises:
-        ValueError: a precision other than fp16/bf16, a scaler with bf16, a policy for another
-            precision, or a bad ``unscale``/``gate_schedulers``.
+        ValueError: a precision other than ``"16-mixed"``/``"bf16-mixed"``, a scaler with bf16,
+            a policy for another precision, or a bad ``unscale``/``gate_schedulers``.
         TypeError: a scaler that is not a :class:`~distamp.DistributedGradScaler`.
     """
 
