@@ -205,6 +205,25 @@ def test_no_guard_keeps_the_step_as_it_was() -> None:
     assert amp.guards.spike is None and amp.guards.streak is None
 
 
+def test_an_overflow_in_a_spike_step_wins() -> None:
+    """fp16 at the default scale: the loss times 1e3 also overflows the gradients. The step's
+    reason is "overflow", the scale backs off, and no spike skip is counted."""
+    guard = SpikeGuard(window=8, sigmas=6.0, min_history=4)
+    amp = DistAMP(precision="fp16", strategy="none", spike_guard=guard)
+    model, _ = amp.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.05))
+    reasons = _train(amp, model, 6)
+    with amp.autocast():
+        loss = lm_loss(model, _batch(0, 6)) * 1e3
+    result = amp.backward_and_step(loss)
+    assert result is not None and amp.guards.spike is not None
+    assert reasons == [None] * 6 and result.skip_reason == "overflow", result
+    assert amp.guards.spike.last is not None and amp.guards.spike.last.spike
+    assert result.loss_scale == 2.0**15 and amp.guards.spike.spike_skips == 0
+    assert amp.metrics.collect(scaler=amp.scaler).spike_skips == 0
+    assert _train(amp, model, 2, start=7) == [None, None]
+    assert len(amp.guards.spike.losses) == 7  # the overflow step did not enter the history
+
+
 def test_guard_state_survives_a_checkpoint(tmp_path: Path) -> None:
     guard = SpikeGuard(window=4, sigmas=3.0, min_history=2)
     a = DistAMP(precision="bf16", strategy="none", max_grad_norm=10.0, spike_guard=guard)

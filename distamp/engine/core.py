@@ -356,6 +356,7 @@ class DistAMP(EnginePersistence, RunLoop):
             elif norm is None:
                 scaler.unscale_(opt)
             scaler.update()
+            spike = spike and self.guards.confirm(scaler)  # an overflow as well: it wins
             # 5. fp8 under FSDP2: the next step's float8 weight scales, one all-reduce
             if self.fp8 is not None:
                 self.fp8.after_step(self.model)

@@ -238,11 +238,12 @@ class SpikeWatch:
         self.last = check
         return check, None if also is None else extra
 
-    def after_step(self, check: SpikeCheck, overflow: torch.Tensor) -> None:
-        """After the scaler's update: a spike is counted; a step that was not one waits, with
-        its overflow flag (copied: the scaler replaces it), to enter the history."""
+    def after_step(self, check: SpikeCheck, overflow: torch.Tensor, skipped: bool) -> None:
+        """After the scaler's update. ``skipped``: the step was skipped for a spike (counted),
+        or the spike came with an overflow (not a taken step either); otherwise the step waits,
+        with its overflow flag (copied: the scaler replaces it), to enter the history."""
         if check.spike:
-            self.spike_skips += 1
+            self.spike_skips += int(skipped)
             self._pending = None
             return
         self._pending = (check.loss, check.grad_norm, overflow.detach().clone())
@@ -384,6 +385,8 @@ class StepGuards:
         self.spike = None if spike_guard is None else SpikeWatch(spike_guard)
         self.streak = None if limit is None else SkipStreak(limit)
         self.check: SpikeCheck | None = None  # this step's, between before_step and after_step
+        self.spike_skip = False  # this step was skipped for a spike (no overflow): confirm()
+        self.step = 0  # the engine's step count at before_step, for the log line
 
     def before_step(
         self,
@@ -401,19 +404,30 @@ class StepGuards:
         check, worst = self.spike.check(loss, norm, scaler, also)
         if self.streak is not None and worst is not None:
             self.streak.settle(worst, scaler)
-        self.check = check
-        if check.spike and (not is_distributed() or dist.get_rank() == 0):
-            _log.warning("step %d skipped by the spike guard: %s", step, check.describe())
+        self.check, self.step = check, step
         return check.spike
+
+    def confirm(self, scaler: DistributedGradScaler) -> bool:
+        """After the update of a step :meth:`before_step` found a spike in: whether it is a
+        spike skip, i.e. the gradients did not overflow as well (an overflow wins: the scale
+        backed off and the step's reason is "overflow"). Reads the agreed overflow flag: a host
+        sync, on spike steps only."""
+        self.spike_skip = not bool(scaler.last_step_skipped)  # host sync, spike steps only
+        if (
+            self.spike_skip
+            and self.check is not None
+            and (not is_distributed() or dist.get_rank() == 0)
+        ):
+            _log.warning("step %d skipped by the spike guard: %s", self.step, self.check.describe())
+        return self.spike_skip
 
     def after_step(self, scaler: DistributedGradScaler, *, decided: bool) -> None:
         """After the scaler's update. ``decided``: the step read its decision on the host
         already (a scheduler is attached), so the streak is read now at little cost."""
-        overflow = scaler.last_step_skipped
-        spike = self.check is not None and self.check.spike
+        overflow, spike = scaler.last_step_skipped, self.spike_skip
         if self.spike is not None and self.check is not None:
-            self.spike.after_step(self.check, overflow)
-        self.check = None
+            self.spike.after_step(self.check, overflow, spike)
+        self.check, self.spike_skip = None, False
         if self.streak is None:
             return
         self.streak.record(overflow, spike)
