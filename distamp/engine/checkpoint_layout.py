@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,9 @@ __all__ = [
     "latest_checkpoint",
     "load_file",
     "model_mismatch",
+    "rank_and_world",
     "refuse_foreign",
+    "single_process_quiet",
     "state_dict_options",
     "unreadable",
 ]
@@ -46,6 +51,28 @@ class CheckpointError(RuntimeError):
     is touched, so the good checkpoints that may be there (the previous step's is kept) survive
     for a fix by hand. A failed save commits nothing: the previous checkpoint stays in force.
     """
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size; ``(0, 1)`` without a process group."""
+    if is_distributed():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """DCP calls made quiet about running without a process group.
+
+    Without a process group DCP warns that it "assumes a single process" even when told so
+    with no_dist=True; for distamp that case is intended (one-process runs), not a hazard.
+    """
+    with warnings.catch_warnings():
+        if not is_distributed():
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to", category=UserWarning
+            )
+        yield
 
 
 def cause_of(exc: BaseException) -> str:

@@ -29,6 +29,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import distamp.engine.checkpoint as ckpt
+import distamp.engine.checkpoint_save as ckpt_save
 from distamp.engine import DistAMP
 
 NAN_LOSS_STEPS = (3, 11)  # rank 1's loss is NaN before scaling at these steps
@@ -79,7 +80,7 @@ def arm_kill_in_save(spec: str, rank: int) -> None:
         sys.stderr.write(f"fault_train: SIGKILL in save of step {step_s} at {point}\n")
         os.kill(os.getpid(), signal.SIGKILL)
 
-    save = ckpt._save_synced
+    save = ckpt_save._save_synced
 
     def save_or_die(obj: Any, path: Path) -> None:
         if path.parent.name == tmp_name:
@@ -97,7 +98,7 @@ def arm_kill_in_save(spec: str, rank: int) -> None:
             die()
         replace(src, dst)
 
-    ckpt._save_synced = save_or_die  # type: ignore[assignment]
+    ckpt_save._save_synced = save_or_die  # type: ignore[assignment]
     os.replace = replace_or_die  # type: ignore[assignment]
 
 
