@@ -39,7 +39,7 @@ import torch
 
 from distamp.agreement.replicas import is_ft_manager
 from distamp.arguments import INT32_MAX, ArgumentTypeError, as_integer, as_real
-from distamp.engine.guards import SpikeGuard
+from distamp.engine.guards import SpikeGuard, check_guards
 from distamp.observe.telemetry import Telemetry
 from distamp.parallel.ddp import ddp_options
 from distamp.parallel.strategies import COMM_HOOKS, SHARDED, STRATEGIES
@@ -179,23 +179,10 @@ class AMPConfig:
             object.__setattr__(self, "ddp_kwargs", self._checked_ddp_kwargs(self.ddp_kwargs))
 
     def _check_guards(self) -> None:
-        """``spike_guard`` and ``max_consecutive_skips`` (see :mod:`distamp.engine.guards`)."""
-        guard = self.spike_guard
-        if guard is not None and not isinstance(guard, SpikeGuard):
-            raise ArgumentTypeError(
-                f"spike_guard={guard!r:.80} ({type(guard).__name__}): pass "
-                "distamp.SpikeGuard(window=..., sigmas=...) or None"
-            )
-        limit = self.max_consecutive_skips
-        if limit is not None:
-            limit = _integer("max_consecutive_skips", limit)
-            if not 1 <= limit <= INT32_MAX:
-                raise ValueError(
-                    f"max_consecutive_skips={limit!r}: the most optimizer steps skipped in a "
-                    f"row before the run stops; give an int in [1, {INT32_MAX}], or None (no "
-                    "limit)"
-                )
-            object.__setattr__(self, "max_consecutive_skips", limit)
+        """``spike_guard`` and ``max_consecutive_skips`` (:func:`~distamp.engine.guards.
+        check_guards`, which the plug-ins call as well)."""
+        limit = check_guards(self.spike_guard, self.max_consecutive_skips)
+        object.__setattr__(self, "max_consecutive_skips", limit)
 
     def _checked_ddp_kwargs(self, given: Any) -> dict[str, Any] | None:
         """``ddp_kwargs`` checked (:func:`~distamp.parallel.ddp.ddp_options`), then refused

@@ -37,6 +37,7 @@ __all__ = [
     "SpikeGuard",
     "SpikeWatch",
     "StepGuards",
+    "check_guards",
 ]
 
 _log = logging.getLogger("distamp.engine")
@@ -64,6 +65,35 @@ def _number(field: str, value: Any, *, integer: bool) -> Any:
         return as_integer(field, value) if integer else as_real(field, value)
     except ValueError as exc:
         raise ValueError(f"SpikeGuard({field}={value!r:.80}): {exc}") from None
+
+
+def check_guards(spike_guard: Any, max_consecutive_skips: Any) -> int | None:
+    """Check the two guard settings as ``DistAMP(...)`` does (its plug-ins take the same
+    ones): ``spike_guard`` a :class:`SpikeGuard` or ``None``, ``max_consecutive_skips`` an int in
+    [1, 2**31 - 1] or ``None``. Returns the limit as a plain int (or ``None``).
+
+    Raises:
+        ArgumentTypeError: ``spike_guard`` is no :class:`SpikeGuard`, or the limit no integer.
+        ValueError: the limit is out of range; the message names the field.
+    """
+    if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
+        raise ArgumentTypeError(
+            f"spike_guard={spike_guard!r:.80} ({type(spike_guard).__name__}): pass "
+            "distamp.SpikeGuard(window=..., sigmas=...) or None"
+        )
+    if max_consecutive_skips is None:
+        return None
+    try:
+        limit = as_integer("max_consecutive_skips", max_consecutive_skips)
+    except ValueError as exc:
+        raise ValueError(f"max_consecutive_skips={max_consecutive_skips!r}: {exc}") from None
+    if not 1 <= limit <= INT32_MAX:
+        raise ValueError(
+            f"max_consecutive_skips={limit!r}: the most optimizer steps skipped in a "
+            f"row before the run stops; give an int in [1, {INT32_MAX}], or None (no "
+            "limit)"
+        )
+    return limit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -346,26 +376,30 @@ class SkipStreak:
         """The longest run since the last read, for a read the step makes anyway."""
         return self.worst if self.unread else None
 
-    def read(self, scaler: DistributedGradScaler) -> None:
+    def read(self, scaler: Any) -> None:
         """Read the longest run now (a host sync) and raise if it reached the limit."""
         if self.worst is not None and self.unread:
             self.settle(float(self.worst.item()), scaler)  # host sync: see the class doc
 
-    def settle(self, worst: float, scaler: DistributedGradScaler) -> None:
+    def settle(self, worst: float, scaler: Any) -> None:
         """The longest run since the last read, read by the caller: raise
         :class:`ConsecutiveSkipsError` at the limit (every rank reads the same value at the same
-        step, so every rank raises; the overflow report is gathered from all of them)."""
+        step, so every rank raises; the overflow report is gathered from all of them). ``scaler``:
+        the step's, for the report and the scale; a plug-in's may be another ``GradScaler``."""
         assert self.worst is not None
         self.worst.zero_()
         self.unread = 0
         if worst < self.limit:
             return
-        report = scaler.overflow_report() if scaler.is_enabled() else None
+        # A plug-in's replaced scaler that is not distamp's keeps no overflow report.
+        ours = isinstance(scaler, DistributedGradScaler) and scaler.is_enabled()
+        report = scaler.overflow_report() if ours else None
         where = "none of them overflowed" if report is None else report.one_line()
+        scale = "none" if scaler is None else f"{scaler.get_scale():g}"
         raise ConsecutiveSkipsError(
             f"{int(worst)} optimizer steps in a row were skipped (max_consecutive_skips="
             f"{self.limit}): the run no longer trains. Last overflow report: {where}. "
-            f"Loss scale {scaler.get_scale():g}. Likely causes: NaN/inf in the inputs or the "
+            f"Loss scale {scale}. Likely causes: NaN/inf in the inputs or the "
             "loss (check the batch), a diverged model (lower the learning rate), fp16 overflow "
             "in activations (precision='bf16', or the module in fp32 with an AutocastPolicy), "
             "or a spike guard whose loss level moved for good (raise sigmas or the window). "
@@ -375,6 +409,13 @@ class SkipStreak:
 
 class StepGuards:
     """The engine's guards on each step: the spike watch and the skip streak, either off.
+
+    The plug-ins (:mod:`distamp.integrations.step_guards`) drive the same object from their
+    framework's optimizer step; there the scaler may be one the user put in the framework's
+    ``scaler`` slot (a ``torch.amp.GradScaler``, or ``None`` in bf16), so the methods take the
+    step's overflow flag as an argument where such a scaler has no agreed one, and the loss is
+    agreed over the whole job (a disabled distamp scaler's group) when the scaler is not
+    distamp's.
 
     Args:
         spike_guard: the settings of the spike watch, or ``None``.
@@ -387,32 +428,41 @@ class StepGuards:
         self.check: SpikeCheck | None = None  # this step's, between before_step and after_step
         self.spike_skip = False  # this step was skipped for a spike (no overflow): confirm()
         self.step = 0  # the engine's step count at before_step, for the log line
+        self._whole_job: DistributedGradScaler | None = None  # agrees for a foreign scaler
 
     def before_step(
         self,
         loss: torch.Tensor | None,
         norm: torch.Tensor | None,
-        scaler: DistributedGradScaler,
+        scaler: Any,
         step: int,
     ) -> bool:
         """Whether this step is a spike (always ``False`` without the guard). With the guard:
         one all_reduce and one host sync (:meth:`SpikeWatch.check`), which also reads the
-        streak; may raise :class:`ConsecutiveSkipsError`."""
+        streak; may raise :class:`ConsecutiveSkipsError`. ``scaler``: the step's; one that is
+        not distamp's agrees over the whole job."""
         if self.spike is None:
             return False
+        agreeing = scaler
+        if not isinstance(scaler, DistributedGradScaler):
+            if self._whole_job is None:  # a disabled scaler allocates nothing: only its group
+                self._whole_job = DistributedGradScaler("cpu", enabled=False)
+            agreeing = self._whole_job
         also = None if self.streak is None else self.streak.pending()
-        check, worst = self.spike.check(loss, norm, scaler, also)
+        check, worst = self.spike.check(loss, norm, agreeing, also)
         if self.streak is not None and worst is not None:
             self.streak.settle(worst, scaler)
         self.check, self.step = check, step
         return check.spike
 
-    def confirm(self, scaler: DistributedGradScaler) -> bool:
+    def confirm(self, scaler: Any, overflow: torch.Tensor | None = None) -> bool:
         """After the update of a step :meth:`before_step` found a spike in: whether it is a
         spike skip, i.e. the gradients did not overflow as well (an overflow wins: the scale
-        backed off and the step's reason is "overflow"). Reads the agreed overflow flag: a host
-        sync, on spike steps only."""
-        self.spike_skip = not bool(scaler.last_step_skipped)  # host sync, spike steps only
+        backed off and the step's reason is "overflow"). Reads the agreed overflow flag
+        (``overflow``, else the scaler's ``last_step_skipped``): a host sync, on spike steps
+        only."""
+        flag = scaler.last_step_skipped if overflow is None else overflow
+        self.spike_skip = not bool(flag)  # host sync, spike steps only
         if (
             self.spike_skip
             and self.check is not None
@@ -421,10 +471,16 @@ class StepGuards:
             _log.warning("step %d skipped by the spike guard: %s", self.step, self.check.describe())
         return self.spike_skip
 
-    def after_step(self, scaler: DistributedGradScaler, *, decided: bool) -> None:
+    def after_step(
+        self, scaler: Any, *, decided: bool, overflow: torch.Tensor | None = None
+    ) -> None:
         """After the scaler's update. ``decided``: the step read its decision on the host
-        already (a scheduler is attached), so the streak is read now at little cost."""
-        overflow, spike = scaler.last_step_skipped, self.spike_skip
+        already (a scheduler is attached), so the streak is read now at little cost.
+        ``overflow``: the step's agreed overflow flag (0-dim), else the scaler's
+        ``last_step_skipped``."""
+        if overflow is None:
+            overflow = scaler.last_step_skipped
+        spike = self.spike_skip
         if self.spike is not None and self.check is not None:
             self.spike.after_step(self.check, overflow, spike)
         self.check, self.spike_skip = None, False
