@@ -1,7 +1,10 @@
-"""The ``distamp`` command: launcher commands (pure), dry runs, ``env``, a real 2-process launch."""
+"""The ``distamp`` command: launcher commands (pure), dry runs, ``env``, a real 2-process launch,
+and fuzzed ``distamp launch`` arguments (a usage error with exit 2, or a command)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -16,8 +19,12 @@ from typing import Any
 import pytest
 import torch
 from _dist import LAUNCHER_VARS, script_env
+from fuzz_scenarios import ARG_VALUES
+from hypothesis import event, example, given
+from hypothesis import strategies as st
 
 from distamp.cli import LaunchSpec, build_command, environment_report, main, resolve_launcher
+from distamp.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -317,3 +324,27 @@ def test_real_launch_with_torchrun() -> None:
     found = sorted(re.findall(r"rank=(\d) world_size=2 launcher=(\w+) \S+ sum=(\S+) ", out.stdout))
     assert found == [("0", "torchrun", "3"), ("1", "torchrun", "3")], out.stdout
     assert time.monotonic() - start < 120
+
+
+# ---------------------------------------------------------------- distamp launch: fuzzed arguments
+LAUNCH_FLAGS = st.sampled_from(["--nnodes", "--nproc-per-node", "--node-rank", "--rdzv-endpoint"])
+
+
+@given(st.lists(st.tuples(LAUNCH_FLAGS, ARG_VALUES), max_size=3), st.booleans())
+@example([("--nproc-per-node", "1")], False)
+@example([("--node-rank", "3"), ("--nnodes", "2")], True)
+@example([("--rdzv-endpoint", "host:99999")], True)
+def test_fuzzed_launcher_arguments(pairs: list[tuple[str, str]], dry_run: bool) -> None:
+    """``distamp launch``: exit 2 with a usage error, or a command; the script missing.py does
+    not exist, so only --dry-run may get past the checks."""
+    argv = ["launch", *(f"{flag}={value}" for flag, value in pairs)]
+    argv += ["--dry-run", "t.py"] if dry_run else ["missing.py"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(argv)
+    if code == 2:
+        assert "distamp launch: error: " in err.getvalue()
+        event("usage error")
+        return
+    event("command printed")
+    assert code == 0 and dry_run and out.getvalue().strip()

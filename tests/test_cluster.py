@@ -1,7 +1,11 @@
-"""Launcher detection from plain dicts, SLURM node lists, real gloo rendezvous and its failures."""
+"""Launcher detection from plain dicts (fuzzed too), SLURM node lists, real gloo rendezvous and
+its failures, ``init_distributed`` refusing bad variables before any group and saying when it
+made none, and settings that must agree across ranks (:func:`distamp.cluster.agree_settings`)."""
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import re
 import subprocess
@@ -14,12 +18,17 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import free_port
+from _dist import free_port, run_ranks
+from hypothesis import event, example, given
+from hypothesis import strategies as st
+from torch import nn
 
+from distamp import DistAMP
 from distamp.cluster import (
     LAUNCHERS,
     DistEnv,
     RendezvousError,
+    SettingsMismatchError,
     detect_environment,
     expand_nodelist,
     init_distributed,
@@ -522,3 +531,187 @@ def test_run_ranks_retries_a_port_taken_before_rank_0_binds(
         monkeypatch.setattr(spawn, "free_port", lambda: next(offered, None) or real())
         assert spawn.run_ranks(_world_sum, 2, timeout=60) == [3.0, 3.0]
         assert next(offered, None) is None  # the taken port was offered (and refused) first
+
+
+# ------------------------------------------------------------------ bad launcher variables, fuzzed
+LAUNCHER_NAMES = st.sampled_from(
+    [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_PORT",
+        "GROUP_RANK",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_STEP_ID",
+        "SLURM_LOCALID",
+        "SLURM_NODEID",
+        "SLURM_TASKS_PER_NODE",
+        "SLURM_JOB_ID",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "DISTAMP_LAUNCHER",
+    ]
+)
+
+
+ENV_VALUES = st.one_of(
+    st.integers(-3, 5).map(str),
+    st.sampled_from(["abc", "99999", "-1", "1e3", " 2 ", "1_0", "", "9" * 40, "torchrun"]),
+    st.text(max_size=5),
+)
+
+
+@given(st.dictionaries(LAUNCHER_NAMES, ENV_VALUES, max_size=6))
+@example({"RANK": "0", "WORLD_SIZE": "abc"})
+@example({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"})
+@example({"MASTER_PORT": "99999"})
+@example({"RANK": "0", "WORLD_SIZE": "0\x1f"})
+@example({"RANK": "0", "WORLD_SIZE": "9" * 5000})
+@example(
+    {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NODEID": "-1",
+        "SLURM_TASKS_PER_NODE": "2",
+        "SLURM_LOCALID": "0",
+    }
+)
+def test_fuzzed_launcher_environment(env: dict[str, str]) -> None:
+    try:
+        found = detect_environment(env)
+    except ValueError as exc:
+        # It names a variable: one given, or one its launcher needs and that is missing.
+        assert re.search(r"\b[A-Z][A-Z_]+_?[A-Z]+\b", str(exc)), f"unnamed variable: {exc}"
+        event("rejected with ValueError")
+        return
+    event("detected")
+    assert 0 <= found.rank < found.world_size < 2**31
+    assert found.main_port is None or 0 < found.main_port < 65536
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"RANK": "0", "WORLD_SIZE": "abc"}, r"WORLD_SIZE='abc' is not an integer"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, r"LOCAL_RANK=-1 is out of range"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"}, r"MASTER_PORT=99999 .*1-65535"),
+    ],
+)
+def test_init_distributed_refuses_bad_variables_before_any_group(
+    env: dict[str, str], match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=match):
+        init_distributed(timeout=5)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="timeout"):
+        init_distributed(timeout=math.nan)
+
+
+# ----------------------------------------------------------- init_distributed() without a launcher
+def _engine(precision: str = "bf16", model: nn.Module | None = None) -> tuple[DistAMP, nn.Module]:
+    amp = DistAMP(precision, device="cpu")
+    model = model if model is not None else nn.Linear(4, 2)
+    wrapped, _ = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return amp, wrapped
+
+
+def test_init_distributed_without_a_launcher_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    alone = detect_environment({})
+    with caplog.at_level(logging.WARNING, logger="distamp.cluster"):
+        assert init_distributed(alone) is alone
+    assert not torch.distributed.is_initialized()
+    text = caplog.text
+    assert "no launcher started this process" in text and "no process group" in text, text
+    for way in ("distamp launch --nproc-per-node N script.py", "torchrun", "mpirun", "srun"):
+        assert way in text, way
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="distamp.cluster"):
+        init_distributed(alone, warn_if_single=False)
+        _engine()  # one process is a complete job for the engine: no warning
+    assert not caplog.records, caplog.text
+
+
+# ------------------------------------------------------------------------- ranks agree on settings
+def _agreeing_rank(rank: int, world: int) -> int:
+    from distamp.cluster.agreement import agree_settings
+
+    agree_settings({"a": 1, "b": (2, "x")}, what="test")  # equal: no error
+    return 0
+
+
+@pytest.mark.timeout(60)
+def test_equal_settings_pass() -> None:
+    assert run_ranks(_agreeing_rank, 2, timeout=45) == [0, 0]
+
+
+def _settings_cases(n: int, seed: int) -> list[tuple[dict[str, Any], str | None, Any]]:
+    """``n`` settings dicts, each with at most one field that rank 1 changes (``None``: none)."""
+    import random
+
+    rng = random.Random(seed)
+    pool: list[Any] = [
+        0,
+        1,
+        2**31,
+        -1,
+        0.5,
+        1e-30,
+        float("inf"),
+        "fp16",
+        "bf16",
+        None,
+        True,
+        False,
+        (1, 2),
+        ("a",),
+        torch.float16,
+        torch.bfloat16,
+    ]
+    cases = []
+    for _ in range(n):
+        fields = {f"f{i}": rng.choice(pool) for i in range(rng.randint(1, 12))}
+        changed = rng.choice([None, *fields])
+        other = rng.choice([v for v in pool if repr(v) != repr(fields.get(changed))])
+        cases.append((fields, changed, other))
+    return cases
+
+
+def _settings_rank(rank: int, world: int, cases: list[Any]) -> list[str]:
+    from distamp.cluster import agree_settings, init_distributed, shutdown_distributed
+
+    init_distributed(timeout=60)
+    out = []
+    for fields, changed, other in cases:
+        mine = dict(fields)
+        if rank == 1 and changed is not None:
+            mine[changed] = other
+        try:
+            agree_settings(mine, what="case")
+            out.append("agreed")
+        except SettingsMismatchError as exc:
+            out.append(str(exc))
+    shutdown_distributed()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_randomised_settings_disagree_exactly_when_a_field_differs() -> None:
+    cases = _settings_cases(40, seed=7)
+    per_rank = run_ranks(_settings_rank, 2, cases, timeout=60)
+    for i, (fields, changed, other) in enumerate(cases):
+        got = [r[i] for r in per_rank]
+        assert got[0] == got[1], (fields, changed, got)
+        if changed is None:
+            assert got[0] == "agreed", (fields, got)
+        else:
+            assert f"{changed}: ranks 0: {fields[changed]!r}"[:60] in got[0], (changed, got)
+            assert f"ranks 1: {other!r}"[:40] in got[0], (changed, other, got)

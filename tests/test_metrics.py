@@ -1,4 +1,5 @@
-"""AMPMetrics, the engine's overflow rate, and the JSONL / TensorBoard writers (one process)."""
+"""AMPMetrics, the engine's overflow rate, ``tokens_per_s`` (None until tokens are counted), and
+the JSONL / TensorBoard writers (one process)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
-from distamp import DistributedGradScaler
+from distamp import DistAMP, DistributedGradScaler
 from distamp.observe.metrics import AMPMetrics, Metrics
 from distamp.observe.writers import JSONLWriter, TensorBoardWriter, make_writer
 
@@ -182,3 +184,30 @@ def test_console_writer_takes_an_integration_dict() -> None:
     w.write(2, m.compute(None))
     second = stream.getvalue().splitlines()[1]
     assert re.fullmatch(r"step 2 scale 1 \| skipped 0 \| [\d,]+ tok/s", second), second
+
+
+# ------------------------------------------------------------------------------------ tokens_per_s
+def _engine(precision: str = "bf16", model: nn.Module | None = None) -> tuple[DistAMP, nn.Module]:
+    amp = DistAMP(precision, device="cpu")
+    model = model if model is not None else nn.Linear(4, 2)
+    wrapped, _ = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return amp, wrapped
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().square().mean()
+
+
+def test_tokens_per_s_is_none_until_tokens_are_counted() -> None:
+    metrics = AMPMetrics("cpu")
+    metrics.step()
+    first = metrics.compute()
+    assert first["tokens_per_s"] is None and json.loads(json.dumps(first)) == first
+    metrics.add_tokens(64)
+    metrics.step()
+    assert (metrics.compute()["tokens_per_s"] or 0) > 0
+    metrics.step()
+    assert metrics.compute()["tokens_per_s"] == 0.0  # counted before: a window without any
+    amp, _ = _engine()
+    stats = amp.fit(lambda k: torch.ones(3, 4), _loss, steps=1)
+    assert stats is not None and stats.tokens_per_s is None

@@ -1,12 +1,20 @@
-"""Precision parsing (every framework's spelling) and the mixed-precision owner selector."""
+"""Precision parsing (every framework's spelling), the mixed-precision owner selector, and
+``AutocastPolicy``'s arguments: fuzzed (a policy or a ``ValueError`` naming the argument), and
+``fp32_ops`` names that are no torch function refused with the closest names."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from fuzz_scenarios import JUNK, numeric
+from hypothesis import event, example, given
+from hypothesis import strategies as st
 
+from distamp import AutocastPolicy
 from distamp.precision.policy import VALID_PRECISIONS, Precision, parse_precision, select_mp_owner
 
 FP32 = ("fp32", None, False)
@@ -103,3 +111,33 @@ def test_valid_list_round_trips() -> None:
 )
 def test_mp_owner(precision: str, strategy: str, device: str, owner: str) -> None:
     assert select_mp_owner(parse_precision(precision), strategy, device) == owner
+
+
+# --------------------------------------------------------------- AutocastPolicy: refused arguments
+@given(
+    st.one_of(st.sampled_from(["fp8", "bf16", "fp16", 16, 32]), numeric(JUNK)),
+    st.one_of(st.none(), numeric(st.integers(-5, 5000)), numeric(JUNK)),
+)
+@example("fp8", np.int64(64))
+@example(np.int64(16), None)
+@example(torch.tensor(32), None)
+def test_fuzzed_policy_arguments(precision: Any, min_features: Any) -> None:
+    try:
+        policy = AutocastPolicy(precision, fp8_min_features=min_features)
+    except ValueError as exc:
+        assert "precision=" in str(exc) or "fp8_min_features" in str(exc), exc
+        event("rejected with ValueError")
+        return
+    event("constructed")
+    if policy.fp8 is not None:
+        assert type(policy.fp8.min_features) is int and policy.fp8.min_features >= 0
+
+
+@pytest.mark.parametrize(
+    ("name", "closest"), [("softmx", "softmax"), ("F.softmax", "softmax"), ("torch.exp", "exp")]
+)
+def test_fp32_ops_names_that_are_no_torch_function_are_refused(name: str, closest: str) -> None:
+    with pytest.raises(ValueError, match=rf"fp32_ops: '{re.escape(name)}' is not.*'{closest}'"):
+        AutocastPolicy("bf16", fp32_ops=(name,))
+    policy = AutocastPolicy("bf16", fp32_ops=(closest, "linalg_norm"))
+    assert policy.fp32_ops == frozenset({closest, "linalg_norm"})
