@@ -49,6 +49,7 @@ from distamp.observe.metrics import Metrics, StepResult
 from distamp.observe.numerics import NumericStats
 from distamp.observe.telemetry import Telemetry
 from distamp.parallel.strategies import gradient_sync_disabled
+from distamp.parallel.unused_params import UnusedParameterCheck
 from distamp.precision.adaptive_run import AdaptiveRun
 from distamp.precision.fp8 import Float8Training
 from distamp.precision.patterns import gather_modules
@@ -141,6 +142,7 @@ class DistAMP(EnginePersistence, RunLoop):
     adaptive: AdaptiveRun | None  # numeric monitor + adaptive precision (precision/adaptive_run.py)
     quorum: QuorumSchedule | None  # with ft_manager: when each step's torchft quorum starts
     comm_hook_state: Any  # the DDP comm hook's state, when one is registered
+    unused: UnusedParameterCheck | None  # DDP: parameters the first backward gave no gradient
     step_count: int  # optimizer steps completed (skipped ones included)
     cycle: MicroBatchCycle  # backward() calls since the last step(), and their call order
     skips: SkipReports  # skipped steps reported at logging steps; the scale-health warning
@@ -184,7 +186,7 @@ class DistAMP(EnginePersistence, RunLoop):
         self.scaler = scaler if scaler is not None else DistributedGradScaler("cpu", enabled=False)
         self.scheduler, self.metrics = None, Metrics(self.device)
         self.tracer, self.fp8, self.comm_hook_state, self.quorum = None, None, None, None
-        self.adaptive, self.skips = None, SkipReports()
+        self.adaptive, self.skips, self.unused = None, SkipReports(), None
         self.guards = StepGuards(self.config.spike_guard, self.config.max_consecutive_skips)
         self.step_count, self.cycle = 0, MicroBatchCycle(self.config.grad_accum_steps)
         self._model, self._optimizer, self._owns_group = None, None, False
@@ -264,6 +266,7 @@ class DistAMP(EnginePersistence, RunLoop):
             )
         self.skips.arm(self.scaler.min_scale)  # its "at floor" warning
         self.comm_hook_state = connect_scaler(self.scaler, wrapped, stages, cfg)
+        self.unused = UnusedParameterCheck.arm(wrapped)  # refused before the first step
         if cfg.trace_nonfinite:
             self.tracer = attach_tracer(model, self.scaler)  # the unwrapped model: its names
         self.adaptive = build_adaptive(
@@ -307,11 +310,18 @@ class DistAMP(EnginePersistence, RunLoop):
         return gradient_sync_disabled(self.model, first=self.cycle.first)
 
     def backward(self, loss: torch.Tensor, *, tokens: int = 0) -> None:
-        """Scale ``loss``, divide it by ``grad_accum_steps`` and backpropagate. No host sync.
+        """Scale ``loss``, divide it by ``grad_accum_steps`` and backpropagate. No host sync,
+        except once under DDP: the first backward that synchronises checks that every parameter
+        received a gradient (one small all-reduce; :mod:`distamp.parallel.unused_params`).
 
         Args:
             loss: this micro-batch's mean loss, as computed (unscaled, undivided).
             tokens: tokens in the micro-batch, for the throughput figure.
+
+        Raises:
+            ValueError: on every rank, before any optimizer step, when DDP (without
+                ``find_unused_parameters`` or ``static_graph``) would wait for a parameter the
+                forward did not use on some rank; names the parameters and the fix.
         """
         tokens = self.cycle.check_backward(loss, tokens, set_up=self._model is not None)
         if self.quorum is not None:  # the forward ran outside autocast(): the quorum is due
@@ -321,7 +331,10 @@ class DistAMP(EnginePersistence, RunLoop):
             self.tracer.record_loss(loss)
         n = self.config.grad_accum_steps
         scaled = loss / n if n > 1 else loss
-        with named_collective("backward (the wrapper's gradient all-reduce)", self.config.timeout):
+        watch = nullcontext() if self.unused is None else self.unused.watch(self.cycle.is_last)
+        what = "backward (the wrapper's gradient all-reduce)"
+        collective = named_collective(what, self.config.timeout)
+        with collective, watch:
             self.scaler.scale(scaled).backward()
         self.cycle.backward_done()
 
@@ -395,7 +408,7 @@ class DistAMP(EnginePersistence, RunLoop):
             dist.barrier()
         detach_instruments(self.scaler, self.tracer, self.adaptive)
         self._model = self._optimizer = self.scheduler = self.tracer = self.quorum = None
-        self.comm_hook_state = None
+        self.comm_hook_state = self.unused = None
         if self.fp8 is not None:  # its weight scales hold the model's float8 layers
             self.fp8.scales = None
         self.scaler = DistributedGradScaler("cpu", enabled=False)  # it held group handles
