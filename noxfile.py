@@ -48,15 +48,18 @@ TESTS = {
 }
 # Installed next to the framework: what the tests import besides it.
 TEST_TOOLS = ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "numpy>=1.22", "packaging>=22"]
-# What runs on each torch of the window: the scaler, the engine and the parallel layouts, with
-# torch's own scaler tests swapped in (test_scaler_parity), and the internal names.
+# What runs on each torch of the window: the scaler, the engine, its checkpoints (read and
+# resharded through torch.distributed.checkpoint) and the parallel layouts, with torch's own
+# scaler tests swapped in (test_scaler_parity), and the internal names. The fuzzed argument
+# tests do not depend on torch's version: they run in the main test run only.
 TORCH_TESTS = [
     "tests/test_scaler.py",
     "tests/test_distributed_scaler.py",
     "tests/test_scaler_parity.py",
     "tests/test_clipping.py",
-    "tests/test_bad_input.py",
     "tests/test_engine.py",
+    "tests/test_engine_core.py",
+    "tests/test_checkpoint_load.py",
     "tests/test_nd_parallel.py",
     "tests/test_policy.py",
     "tests/test_torch_compat.py",

@@ -4,7 +4,7 @@
 - Hypothesis profiles: ``ci`` (the default) is derandomized, so every run of the suite draws the
   same examples and a red CI means a real regression; ``campaign`` draws many thousands of fresh
   examples per property, to be run before a release:
-  ``pytest tests/test_bad_input.py --hypothesis-profile=campaign --hypothesis-show-statistics``
+  ``pytest tests -k fuzzed --hypothesis-profile=campaign --hypothesis-show-statistics``
   (or ``DISTAMP_HYPOTHESIS_PROFILE=campaign``). Cases a campaign finds are pinned with
   ``@example`` in the test itself, so that ``ci`` checks them on every run.
 """

@@ -1,13 +1,18 @@
-"""The main job end to end: real launchers, its JSON line, resume, and mixed-precision parity.
+"""The main job end to end: real launchers, its JSON line, resume, and mixed-precision parity; its
+parser's usage errors (fuzzed arguments, a comm hook the strategy cannot carry, an --out that
+cannot be a directory), found before any process group.
 
 Every run is a subprocess in its own session with a hard timeout; a hung run is killed with all
-its ranks. Runs are short (tens of steps) so the whole file stays well under a minute and a half
-on two cores.
+its ranks (the parser's tests call ``launch.train.parse`` in process). Runs are short (tens of
+steps) so the whole file stays well under a minute and a half on two cores.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -20,6 +25,9 @@ from typing import Any
 import pytest
 import torch
 from _dist import free_port, launcher_free_env, run_ranks
+from fuzz_scenarios import ARG_VALUES
+from hypothesis import event, example, given
+from hypothesis import strategies as st
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
@@ -360,3 +368,96 @@ def test_the_pages_summary_example_has_the_fields_the_main_job_prints(page: str)
     lines = (REPO / page).read_text(encoding="utf-8").splitlines()
     shown = json.loads(lines[lines.index("summary (fields: python launch/train.py --help):") + 1])
     assert list(shown) == list(SUMMARY_FIELDS), set(shown) ^ set(SUMMARY_FIELDS)
+
+
+# ----------------------------------------------- the parser: usage errors before any process group
+TRAIN_FLAGS = st.sampled_from(
+    [
+        "--steps",
+        "--precision",
+        "--strategy",
+        "--grad-accum",
+        "--max-grad-norm",
+        "--seed",
+        "--batch-size",
+        "--lr",
+        "--warmup",
+        "--log-interval",
+        "--checkpoint-interval",
+        "--stop-at",
+        "--threads",
+        "--timeout",
+        "--fp8-recipe",
+        "--fp8-min-features",
+        "--data",
+        "--comm-hook",
+        "--size",
+    ]
+)
+
+
+@given(st.lists(st.tuples(TRAIN_FLAGS, ARG_VALUES), max_size=4))
+@example([("--precision", "fp17")])
+@example([("--warmup", "-5")])
+@example([("--steps", "3"), ("--stop-at", "10")])
+@example([("--threads", "-1")])
+@example([("--data", "/nonexistent")])
+@example([("--comm-hook", "fp8")])  # one process: nothing to exchange
+def test_fuzzed_main_job_arguments(pairs: list[tuple[str, str]]) -> None:
+    """launch/train.py's parser: a usage error (exit 2) naming an argument, or values that mean
+    something; never a traceback (parse() runs before any process group)."""
+    from launch.train import parse
+
+    argv = [f"{flag}={value}" for flag, value in pairs]
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = parse(argv)
+    except SystemExit as exc:
+        assert exc.code == 2
+        assert "argument --" in stderr.getvalue() or "launcher" in stderr.getvalue()
+        event("usage error")
+        return
+    event("parsed")
+    assert args.steps >= 1 and args.warmup >= 0 and args.threads >= 0
+    assert args.stop_at is None or 1 <= args.stop_at <= args.steps
+    assert math.isfinite(args.lr) and args.lr > 0 and args.data.is_file()
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--comm-hook", "fp16", "--strategy", "fsdp2"], "comm_hook='fp16' with strategy='fsdp2'"),
+        (["--comm-hook", "fp8", "--strategy", "fsdp"], "comm_hook='fp8' with strategy='fsdp'"),
+    ],
+)
+def test_main_job_comm_hook_against_the_strategy_is_a_usage_error(
+    argv: list[str], match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a 2-rank launcher's variables, a hook the strategy cannot carry stops the parser
+    (exit 2, the engine's own message) before any process group."""
+    from launch.train import parse
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exc:
+        parse(argv)
+    assert exc.value.code == 2 and match in stderr.getvalue(), stderr.getvalue()
+    assert parse(["--comm-hook", "fp8", "--strategy", "fsdp2"]).comm_hook == "fp8"
+
+
+def test_main_job_out_that_cannot_be_a_directory_is_a_usage_error(tmp_path: Path) -> None:
+    """--out under a regular file (or the file itself) stops the parser, before training and
+    not at the first save; a directory that does not exist yet is fine."""
+    from launch.train import parse
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for out in (blocker, blocker / "sub", blocker / "sub" / "deeper"):
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exc:
+            parse(["--out", str(out)])
+        assert exc.value.code == 2 and "argument --out" in stderr.getvalue(), stderr.getvalue()
+        assert "not a directory" in stderr.getvalue() or "is a file" in stderr.getvalue()
+    assert parse(["--out", str(tmp_path / "new" / "run")]).out == tmp_path / "new" / "run"
