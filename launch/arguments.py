@@ -178,6 +178,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="name the first module whose forward output overflowed in skip reports",
     )
+    add(
+        "--telemetry-interval",
+        type=int_arg(0),
+        default=10,
+        metavar="N",
+        help="per-module precision telemetry every N steps into --out DIR/telemetry, drawn by "
+        "distamp report DIR (0: off; fp32 has none)",
+    )
     try:
         local_rank: int | None = detect_environment().local_rank
     except ValueError:

@@ -43,6 +43,7 @@ from distamp import (
     CheckpointError,
     DistAMP,
     ProgressPrinter,
+    Telemetry,
     WindowStats,
     apply_activation_checkpointing,
     compile_blocks,
@@ -164,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         max_grad_norm=args.max_grad_norm or None,
         timeout=args.timeout,
         trace_nonfinite=args.trace_nonfinite,
+        # Every rank's per-module numbers, kept next to metrics.jsonl: what `distamp report` draws.
+        telemetry=(
+            Telemetry(args.out, interval=args.telemetry_interval)
+            if args.telemetry_interval and parse_precision(args.precision).compute_dtype
+            else None
+        ),
     )
     # The memory recipe in torchtitan's order: checkpointing, then compile, both per block (the
     # entries of model.blocks), before setup wraps or shards the model (FSDP2's units are the
@@ -262,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(continue it: --out {args.out} --resume)",
             file=sys.stderr,
         )
+        print(f"its precision, drawn: distamp report {args.out}", file=sys.stderr)
     if args.export is not None and main_rank:  # one process exports; the others wait in close
         suffix = args.export.suffix
         target = {".onnx": "onnx", ".pte": "pte"}.get(suffix, "pt2")

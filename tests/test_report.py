@@ -124,13 +124,18 @@ def test_metrics_alone_draw_a_page(tmp_path: Path) -> None:
         '{"step": 10, "loss": 2.0, "loss_scale": 65536.0, "skipped_steps": 0}',
         '{"step": 20, "loss": 1.5, "loss_scale": 32768.0, "skipped_steps": 1, '
         '"overflow": "overflow at iteration 14: fc.weight (inf, rank 1)"}',
+        '{"step": 30, "loss": 1.4, "loss_scale": 32768.0, "skipped_steps": 1, "spike_skips": 1}',
         '{"step": 3',  # a line cut short by a killed run
     ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     page = write_report(tmp_path).read_text()
     assert "no telemetry" in page
     run = load_run(tmp_path)
-    assert [(s.step, s.ranks) for s in run.skips()] == [(20, "1")]
+    assert [(s.step, s.reason, s.ranks) for s in run.skips()] == [
+        (20, "overflow", "1"),
+        (30, "spike", None),
+    ]
+    assert summary(run)["spike_skips"] == 1 and "spike" in page
 
 
 def test_the_command_runs_as_a_console_script(telemetry_run: Run, tmp_path: Path) -> None:

@@ -140,7 +140,8 @@ def loss_and_scale(run: RunData) -> tuple[Any, str]:
     s_steps, scale = run.series("loss_scale")
     if s_steps:
         right = ax.twinx()
-        right.step(s_steps, scale, where="post", color="tab:orange", label="loss scale")
+        # "pre": a window's value holds over the steps that led to it (a skip inside lowers it)
+        right.step(s_steps, scale, where="pre", color="tab:orange", label="loss scale")
         right.set_yscale("log", base=2)
         right.set_ylabel("loss scale", color="tab:orange")
     _mark_skips(ax, run.skips())
@@ -179,7 +180,7 @@ def _heatmap(
 ) -> None:
     import numpy as np
 
-    names = sorted({n for r in records for n in getattr(r, key)})
+    names = list(dict.fromkeys(n for r in records for n in getattr(r, key)))  # model order
     if not names:
         _empty(ax, f"no {label} was sampled")
         return
@@ -239,7 +240,7 @@ def precision_events(run: RunData) -> tuple[Any, str]:
     if not changes:
         _empty(ax, "no promotion, demotion or backward-scale change")
     else:
-        names = sorted({str(c.get("module", c.get("block"))) for c in changes})
+        names = list(dict.fromkeys(str(c.get("module", c.get("block"))) for c in changes))
         for c in changes:
             row = names.index(str(c.get("module", c.get("block"))))
             up = str(c.get("after")) in ("fp32", "bf16") or "2**" not in str(c)
