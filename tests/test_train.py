@@ -337,9 +337,18 @@ def test_export_to_onnx_in_bf16_is_a_usage_error_before_training() -> None:
 
 def test_a_run_without_out_is_kept_under_runs_and_says_how_to_export_it(tmp_path: Path) -> None:
     """No --out: the run goes to runs/<start time> under the working directory, and the end
-    prints that path with the export command, which works as printed."""
+    prints that path with the export and report commands, which work as printed."""
     clean = launcher_free_env()
-    train = [sys.executable, TRAIN, "--steps", "2", "--precision", "bf16"]
+    train = [
+        sys.executable,
+        TRAIN,
+        "--steps",
+        "2",
+        "--precision",
+        "bf16",
+        "--telemetry-interval",
+        "1",
+    ]
     done = subprocess.run(
         train, cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=120
     )
@@ -357,6 +366,20 @@ def test_a_run_without_out_is_kept_under_runs_and_says_how_to_export_it(tmp_path
     )
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (tmp_path / "model.pt2").is_file() and (tmp_path / "model.pt2.json").is_file()
+    # ... and its precision is kept and drawn by the command it prints.
+    assert len((run / "telemetry" / "rank0.jsonl").read_text().splitlines()) == 2
+    report = f"distamp report {rel}"
+    assert f"its precision, drawn: {report}" in done.stderr
+    drawn = subprocess.run(
+        [sys.executable, "-m", "distamp.cli", *report.split()[1:]],
+        cwd=tmp_path,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert drawn.returncode == 0, drawn.stderr[-3000:]
+    assert (run / "report.html").is_file()
 
 
 @pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
