@@ -14,7 +14,6 @@ distamp does there.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,15 +26,17 @@ from distamp.integrations.lightning import version as lightning_version
 LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked the version
 
 import lightning.pytorch as pl  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
-from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision.precision import Precision  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info  # noqa: E402
-from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 
 from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
 from distamp.integrations.lightning.arguments import UnscaleWhen  # noqa: E402
-from distamp.integrations.lightning.scheduler import SkipAwareScheduler  # noqa: E402
+from distamp.integrations.lightning.hooks import (  # noqa: E402
+    gated_scheduler,
+    module_to_register,
+    unwrap_optimizer,
+    user_code_reads_gradients,
+)
 from distamp.integrations.scaler_slot import SkipProbe, check_scaler  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
 from distamp.precision.adaptive_run import (  # noqa: E402
@@ -206,11 +207,13 @@ class TrainerPrecisionBase(Precision):
         if self.trust_ddp_sync and isinstance(model, torch.nn.parallel.DistributedDataParallel):
             self._registered = (model, True)
         else:
-            self._registered = (_module_to_register(model), False)
+            self._registered = (module_to_register(model), False)
         for clipper in {id(c): c for c in (self._clipper(), self._norm_clipper)}.values():
             clipper.register_module(self._registered[0], trust_ddp_sync=self._registered[1])
         if scaler is not None and self.gate_schedulers:
-            lr_schedulers = [_gated(config, self._optimizer_skipped) for config in lr_schedulers]
+            lr_schedulers = [
+                gated_scheduler(config, self._optimizer_skipped) for config in lr_schedulers
+            ]
         return model, optimizers, lr_schedulers
 
     # ------------------------------------------------------------------ the step
@@ -256,7 +259,7 @@ class TrainerPrecisionBase(Precision):
             self._record_skip(optimizer, torch.ones((), dtype=torch.bool))
             return closure_result
         if self.unscale == "before_hooks" or (
-            self.unscale == "auto" and _user_code_reads_gradients(model)
+            self.unscale == "auto" and user_code_reads_gradients(model)
         ):
             self._unscale_once(optimizer)
         # `_after_closure` runs the on_before_optimizer_step hooks and configure_gradient_clipping;
@@ -305,7 +308,7 @@ class TrainerPrecisionBase(Precision):
         return norm
 
     def _optimizer_skipped(self, optimizer: Optimizer) -> bool:
-        flag = self._skip_flags.get(id(_unwrap(optimizer)))
+        flag = self._skip_flags.get(id(unwrap_optimizer(optimizer)))
         # Host sync: a scheduler's step() is a Python decision; asked only when one is due.
         return flag is not None and bool(flag)
 
@@ -351,7 +354,7 @@ class TrainerPrecisionBase(Precision):
         refuses it); the scaler's ``clip_grad_norm_`` counts each element once. The norm is
         kept for :attr:`last_grad_norm` and the metrics.
         """
-        optimizer = _unwrap(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
         clipper = self._clipper()
         if clipper is self._norm_clipper:  # no distamp scaler there: unscale with the one there
             self._unscale_once(optimizer)
@@ -369,7 +372,7 @@ class TrainerPrecisionBase(Precision):
         one step would be wrong; distamp unscales through its scaler once per optimizer and
         step, whoever asks first (this hook, ``unscale="before_hooks"``).
         """
-        optimizer = _unwrap(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
         self._unscale_once(optimizer)
         torch.nn.utils.clip_grad_value_(list(self.main_params(optimizer)), float(clip_val))
 
@@ -427,55 +430,3 @@ class TrainerPrecisionBase(Precision):
         :class:`~distamp.integrations.lightning.resume.DistAMPResumeCheck` refuses it earlier.
         """
         load_plugin_state(state_dict, self._scaler_now(), self.adaptive)
-
-
-# ---------------------------------------------------------------------------- helpers
-def _unwrap(optimizer: Any) -> Any:
-    """The torch optimizer inside Lightning's ``LightningOptimizer`` (what ``self.optimizers()``
-    returns in manual optimization): the scaler keys its per-step state by the real one."""
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def _module_to_register(model: Module) -> Module:
-    """The module the scaler should know: the outermost FSDP1 module (its shards count once in
-    clipping), else the LightningModule (parameter names for overflow reports).
-
-    Never the DDP wrapper: registering it tells the scaler that DDP's all-reduce already spread
-    any inf to every rank, so no collective is needed; under the Trainer, hooks that run
-    between backward and the step (``on_after_backward``, ``on_before_optimizer_step``) can
-    still change one rank's gradients, and one flag in one small collective is cheap insurance.
-    """
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel):
-        model = model.module
-    for found in model.modules():
-        if isinstance(found, FullyShardedDataParallel):
-            return found
-    for found in model.modules():
-        if isinstance(found, pl.LightningModule):
-            return found
-    return model
-
-
-def _user_code_reads_gradients(model: pl.LightningModule) -> bool:
-    """Whether a hook that runs between backward and the step may read gradient values:
-    an ``on_before_optimizer_step`` of the module or of a callback, or a custom
-    ``configure_gradient_clipping``. Lightning promises those hooks unscaled gradients."""
-    if is_overridden("on_before_optimizer_step", model) or is_overridden(
-        "configure_gradient_clipping", model
-    ):
-        return True
-    callbacks = getattr(model.trainer, "callbacks", [])  # set by Lightning's callback connector
-    return any(is_overridden("on_before_optimizer_step", cb, Callback) for cb in callbacks)
-
-
-def _gated(config: Any, skipped: Callable[[Optimizer], bool]) -> Any:
-    """The scheduler config with its scheduler wrapped, for ``interval="step"`` only: an epoch
-    scheduler steps once per epoch, after many optimizer steps, whatever the last one did."""
-    if getattr(config, "interval", None) != "step" or isinstance(
-        config.scheduler, SkipAwareScheduler
-    ):
-        return config
-    return replace(config, scheduler=SkipAwareScheduler(config.scheduler, skipped))
