@@ -181,9 +181,6 @@ def _heatmap(
     import numpy as np
 
     names = list(dict.fromkeys(n for r in records for n in getattr(r, key)))  # model order
-    if not names:
-        _empty(ax, f"no {label} was sampled")
-        return
 
     def value(r: TelemetryRecord, n: str) -> float:
         v = getattr(r, key).get(n, math.nan)
@@ -206,15 +203,30 @@ def _heatmap(
     ax.set_xlabel("optimizer step (telemetry sample)")
 
 
-def _rows_height(records: Sequence[TelemetryRecord], key: str) -> float:
+def _heatmap_figure(
+    records: Sequence[TelemetryRecord], key: str, *, log: bool, label: str, title: str, empty: str
+) -> Any:
+    """A figure holding one heatmap of ``key`` (rows: names, columns: samples), sized to its
+    rows; ``empty`` is said instead when no record has any."""
     rows = len({n for r in records for n in getattr(r, key)})
-    return 1.6 + 0.18 * min(max(rows, 1), MAX_ROWS)
+    fig, ax = _figure(1.6 + 0.18 * min(max(rows, 1), MAX_ROWS) if rows else 2.0)
+    if rows:
+        _heatmap(ax, records, key, log=log, label=label)
+    else:
+        _empty(ax, empty)
+    ax.set_title(title)
+    return fig
 
 
 def headroom_heatmap(run: RunData) -> tuple[Any, str]:
-    fig, ax = _figure(_rows_height(run.records, "headroom"))
-    _heatmap(ax, run.records, "headroom", log=True, label="headroom (|output| / format max)")
-    ax.set_title("Activation headroom per module")
+    fig = _heatmap_figure(
+        run.records,
+        "headroom",
+        log=True,
+        label="headroom (|output| / format max)",
+        title="Activation headroom per module",
+        empty="no headroom was sampled",
+    )
     return fig, (
         "Each module's largest |output| since the previous sample over its format's maximum "
         "(fp16 65504, bf16 3.4e38, e4m3 448), agreed over ranks, on a log10 colour scale: 0 "
@@ -224,9 +236,14 @@ def headroom_heatmap(run: RunData) -> tuple[Any, str]:
 
 
 def underflow_heatmap(run: RunData) -> tuple[Any, str]:
-    fig, ax = _figure(_rows_height(run.records, "underflow"))
-    _heatmap(ax, run.records, "underflow", log=False, label="underflow fraction")
-    ax.set_title("Gradient underflow per parameter")
+    fig = _heatmap_figure(
+        run.records,
+        "underflow",
+        log=False,
+        label="underflow fraction",
+        title="Gradient underflow per parameter",
+        empty="no underflow was sampled",
+    )
     return fig, (
         "The fraction of each parameter's scaled gradient elements that are zero or subnormal in "
         "the compute format, agreed over ranks. Bright rows are gradients the format loses: a "
@@ -264,13 +281,14 @@ def precision_events(run: RunData) -> tuple[Any, str]:
 
 
 def fp8_status(run: RunData) -> tuple[Any, str]:
-    records = [r for r in run.records if r.fp8_flush]
-    fig, ax = _figure(_rows_height(records, "fp8_flush") if records else 2.0)
-    if not records:
-        _empty(ax, "no float8 layers in this run")
-    else:
-        _heatmap(ax, records, "fp8_flush", log=False, label="fraction flushed to zero")
-    ax.set_title("fp8 layers: input flushed to zero in e4m3")
+    fig = _heatmap_figure(
+        run.records,
+        "fp8_flush",
+        log=False,
+        label="fraction flushed to zero",
+        title="fp8 layers: input flushed to zero in e4m3",
+        empty="no float8 layers in this run",
+    )
     return fig, (
         "For each float8 layer, the fraction of its nonzero input that e4m3 under dynamic "
         "tensorwise scaling rounds to zero. Near 0 the layer is safe in fp8; a bright row is an "
