@@ -207,3 +207,137 @@ def test_fabric_plugin_refuses_a_policy_of_another_precision() -> None:
     # the cause first, the policy in short at the end (its precision and what differs)
     assert str(e.value).endswith("policy: AutocastPolicy('fp16'; adaptive))"), str(e.value)
     DistAMPPrecision("bf16-mixed", device="cpu", policy=AutocastPolicy("bf16"))  # agrees
+
+
+# ---------------------------------------------------------------------------- step guards
+def _fabric_guarded(rank: int, world: int, what: str) -> dict[str, Any]:
+    """Fabric under DDP with the plug-in's guards: ``what="spike"``: rank 1's loss x1e3 at one
+    step; ``what="limit"``: a +inf gradient element on rank 1 at every step."""
+    import torch
+    from guard_scenarios import (
+        GUARD,
+        INIT_SCALE,
+        LIMIT,
+        STEPS,
+        batch,
+        digest,
+        inject_inf,
+        loss_of,
+        model,
+        same_on_every_rank,
+        snapshot,
+        unchanged,
+    )
+    from lightning.fabric import Fabric
+
+    from distamp import ConsecutiveSkipsError, DistributedGradScaler
+    from distamp.integrations.lightning import DistAMPPrecision
+
+    spike = what == "spike"
+    plugin = DistAMPPrecision(
+        "16-mixed",
+        device="cpu",
+        scaler=DistributedGradScaler("cpu", init_scale=INIT_SCALE),
+        spike_guard=GUARD if spike else None,
+        max_consecutive_skips=None if spike else LIMIT,
+    )
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp", plugins=[plugin])
+    fabric.launch()
+    net = model()
+    net, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.05))
+    skipped, kept = [], []
+    try:
+        for step in range(STEPS):
+            fabric.backward(loss_of(net, batch(rank, step), rank if spike else 0, step))
+            if not spike:
+                inject_inf(net, rank)
+            before = snapshot(net)
+            opt.step()
+            opt.zero_grad()
+            skipped.append(plugin.step_was_skipped)
+            kept.append(unchanged(before, net))
+    except ConsecutiveSkipsError as exc:
+        return {"raised_at": len(skipped), "message": str(exc)}
+    same_on_every_rank(digest(net))
+    scale = plugin.scaler.get_scale()
+    return {"skipped": skipped, "kept": kept, "metrics": plugin.metrics_dict(), "scale": scale}
+
+
+def test_fabric_spike_on_one_rank_is_skipped_on_both() -> None:
+    """Rank 1's loss x1e3 at one step: that step (only) is skipped on both ranks, the
+    parameters unchanged by it and bitwise equal across ranks at the end, one spike skip and no
+    overflow skip in the metrics."""
+    from guard_scenarios import INIT_SCALE, SPIKE_AT, STEPS
+
+    for r in run_ranks(_fabric_guarded, 2, "spike", timeout=120):
+        assert r["skipped"] == [k == SPIKE_AT for k in range(STEPS)], r["skipped"]
+        assert r["kept"] == r["skipped"], r["kept"]  # parameters unchanged exactly then
+        assert r["metrics"]["spike_skips"] == 1 and r["metrics"]["skipped_steps"] == 0
+        assert r["scale"] == INIT_SCALE  # a spike does not back the scale off
+
+
+def test_fabric_consecutive_skips_raise_on_both_ranks() -> None:
+    """A +inf gradient element on rank 1 at every step: ConsecutiveSkipsError on both ranks at
+    the same step (the streak is read every 8 steps without a spike guard)."""
+    from guard_scenarios import LIMIT
+
+    results = run_ranks(_fabric_guarded, 2, "limit", timeout=120)
+    assert [r["raised_at"] for r in results] == [7, 7], results
+    for r in results:
+        assert f"max_consecutive_skips={LIMIT}" in r["message"], r["message"]
+        assert "overflow at iteration" in r["message"], r["message"]
+
+
+def test_fabric_guard_settings_refused_naming_the_field() -> None:
+    from distamp.integrations.lightning import DistAMPPrecision
+
+    with pytest.raises(ValueError, match="max_consecutive_skips=0"):
+        DistAMPPrecision("16-mixed", device="cpu", max_consecutive_skips=0)
+    with pytest.raises(TypeError, match="spike_guard=3"):
+        DistAMPPrecision("16-mixed", device="cpu", spike_guard=3)  # type: ignore[arg-type]
+
+
+def test_fabric_a_replaced_scaler_is_the_one_stepped_and_read() -> None:
+    """As Lightning's own plug-ins: ``plugin.scaler`` replaced after construction (a wrapped
+    distamp scaler, a plain ``torch.amp.GradScaler``) is the one that scales, unscales and
+    steps, and the skip is read from it, with the outcome of the scaler given at construction."""
+    from unittest.mock import Mock
+
+    import torch
+    from lightning.fabric import Fabric
+
+    from distamp import DistributedGradScaler
+    from distamp.integrations.lightning import DistAMPPrecision
+
+    steps, bad = 4, 1
+    outcomes = {}
+    for kind in ("given", "mock", "torch"):
+        plugin = DistAMPPrecision(
+            "16-mixed", device="cpu", scaler=DistributedGradScaler("cpu", init_scale=2.0**8)
+        )
+        if kind == "mock":
+            plugin.scaler = Mock(wraps=plugin.scaler)
+        elif kind == "torch":
+            plugin.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        torch.manual_seed(0)
+        net = torch.nn.Linear(8, 4)
+        net, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        skipped = []
+        for step in range(steps):
+            loss = net(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)))
+            loss = loss.float().pow(2).mean()
+            fabric.backward(loss * float("inf") if step == bad else loss)
+            plugin.clip_grad_norm_(opt, 1.0)
+            opt.step()
+            opt.zero_grad()
+            skipped.append(plugin.step_was_skipped)
+        assert skipped == [k == bad for k in range(steps)], (kind, skipped)
+        assert plugin.scaler.get_scale() == 2.0**7, kind  # backed off once
+        if kind == "mock":
+            assert plugin.scaler.scale.call_count == steps
+            assert plugin.scaler.step.call_count == plugin.scaler.update.call_count == steps
+        outcomes[kind] = [p.detach().clone() for p in net.parameters()]
+    for kind in ("mock", "torch"):
+        for got, want in zip(outcomes[kind], outcomes["given"], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -784,3 +784,119 @@ def test_fused_optimizers_are_clipped_where_lightning_refuses(tmp_path: Path) ->
     _fit_one_process(module, plugin, tmp_path, 2, gradient_clip_val=1e-3)
     assert module.skipped == [False, False]
     assert plugin.last_grad_norm is not None and float(plugin.last_grad_norm) > 1e-3
+
+
+# ---------------------------------------------------------------------------- step guards
+def _trainer_guarded(rank: int, world: int, root: str, what: str) -> dict[str, Any]:
+    """The Trainer under DDP with the plug-in's guards and a gated per-step scheduler:
+    ``what="spike"``: rank 1's loss x1e3 at one step; ``what="limit"``: a +inf gradient
+    element on rank 1 at every step (in ``on_after_backward``)."""
+    import lightning.pytorch as pl
+    import torch
+    from guard_scenarios import (
+        GUARD,
+        INIT_SCALE,
+        LIMIT,
+        STEPS,
+        batch,
+        digest,
+        inject_inf,
+        loss_of,
+        model,
+        same_on_every_rank,
+        snapshot,
+        unchanged,
+    )
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from distamp import ConsecutiveSkipsError, DistributedGradScaler
+    from distamp.integrations.lightning import DistAMPTrainerPrecision
+
+    spike = what == "spike"
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model()
+            self.skipped: list[bool] = []
+            self.kept: list[bool] = []
+            self.before: list[torch.Tensor] = []
+
+        def training_step(self, data: Any, _idx: int) -> torch.Tensor:
+            return loss_of(self.net, data[0], rank if spike else 0, self.global_step)
+
+        def on_after_backward(self) -> None:
+            if not spike:
+                inject_inf(self.net, rank)
+
+        def on_train_batch_start(self, *_: Any) -> None:
+            self.before = snapshot(self.net)
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            self.skipped.append(self.trainer.precision_plugin.step_was_skipped)
+            self.kept.append(unchanged(self.before, self.net))
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=0.05)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.99)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    plugin = DistAMPTrainerPrecision(
+        "16-mixed",
+        device="cpu",
+        scaler=DistributedGradScaler("cpu", init_scale=INIT_SCALE),
+        spike_guard=GUARD if spike else None,
+        max_consecutive_skips=None if spike else LIMIT,
+    )
+    trainer = _trainer(root, STEPS, plugin)
+    module = Net()
+    data = torch.cat([batch(rank, k) for k in range(STEPS)])
+    try:
+        trainer.fit(module, DataLoader(TensorDataset(data), batch_size=len(data) // STEPS))
+    except ConsecutiveSkipsError as exc:
+        return {"raised_at": len(module.skipped), "message": str(exc)}
+    same_on_every_rank(digest(module.net))
+    gated = trainer.lr_scheduler_configs[0].scheduler
+    return {
+        "skipped": module.skipped,
+        "kept": module.kept,
+        "metrics": plugin.metrics_dict(),
+        "scale": plugin.scaler.get_scale(),
+        "scheduler_steps": gated.scheduler.last_epoch,
+        "held": gated.held_steps,
+    }
+
+
+def test_trainer_spike_on_one_rank_is_skipped_on_both(tmp_path: Path) -> None:
+    """Rank 1's loss x1e3 at one step: that step (only) is skipped on both ranks, the
+    parameters unchanged by it and bitwise equal across ranks at the end, the per-step
+    scheduler held once, one spike skip and no overflow skip in the metrics."""
+    from guard_scenarios import INIT_SCALE, SPIKE_AT, STEPS
+
+    for r in run_ranks(_trainer_guarded, 2, str(tmp_path), "spike", timeout=150):
+        assert r["skipped"] == [k == SPIKE_AT for k in range(STEPS)], r["skipped"]
+        assert r["kept"] == r["skipped"], r["kept"]
+        assert r["metrics"]["spike_skips"] == 1 and r["metrics"]["skipped_steps"] == 0
+        assert r["scale"] == INIT_SCALE
+        assert (r["scheduler_steps"], r["held"]) == (STEPS - 1, 1), r
+
+
+def test_trainer_consecutive_skips_raise_on_both_ranks(tmp_path: Path) -> None:
+    """A +inf gradient element on rank 1 at every step: ConsecutiveSkipsError out of
+    ``trainer.fit`` on both ranks at the same step (read every 8 steps without a spike guard)."""
+    from guard_scenarios import LIMIT
+
+    results = run_ranks(_trainer_guarded, 2, str(tmp_path), "limit", timeout=150)
+    assert [r["raised_at"] for r in results] == [7, 7], results
+    for r in results:
+        assert f"max_consecutive_skips={LIMIT}" in r["message"], r["message"]
+
+
+def test_trainer_guard_settings_refused_naming_the_field() -> None:
+    from distamp.integrations.lightning import DistAMPFSDPPrecision, DistAMPTrainerPrecision
+
+    for cls in (DistAMPTrainerPrecision, DistAMPFSDPPrecision):
+        with pytest.raises(ValueError, match="max_consecutive_skips=-1"):
+            cls("16-mixed", "cpu", max_consecutive_skips=-1)
+        with pytest.raises(TypeError, match="spike_guard='on'"):
+            cls("16-mixed", "cpu", spike_guard="on")  # type: ignore[arg-type]

@@ -336,11 +336,25 @@ class AMPMetrics(Metrics):
         device: where the counters live (the device the scaler's flags are on).
     """
 
-    KEYS = ("loss_scale", "skipped_steps", "overflow_rate", "grad_norm", "tokens_per_s", "steps")
+    KEYS = (
+        "loss_scale",
+        "skipped_steps",
+        "overflow_rate",
+        "grad_norm",
+        "tokens_per_s",
+        "steps",
+        "spike_skips",
+    )
 
-    def step(self, scaler: Any = None, grad_norm: torch.Tensor | float | None = None) -> None:
-        """Record one optimizer step: :meth:`Metrics.end_step`. No host sync."""
-        self.end_step(grad_norm, scaler)
+    def step(
+        self,
+        scaler: Any = None,
+        grad_norm: torch.Tensor | float | None = None,
+        spike: bool = False,
+    ) -> None:
+        """Record one optimizer step: :meth:`Metrics.end_step` (``spike``: the plug-in's spike
+        guard skipped it). No host sync."""
+        self.end_step(grad_norm, scaler, spike)
 
     def compute(self, scaler: Any = None) -> dict[str, float | int | None]:
         """Close the window and return its figures: :meth:`Metrics.collect`, as a dict.
@@ -350,7 +364,8 @@ class AMPMetrics(Metrics):
             ``loss_scale`` (1.0 without a scaler), ``skipped_steps`` (since the start),
             ``overflow_rate`` (skipped / steps in the window), ``grad_norm`` (last clipping norm
             in the window, mean over ranks; ``None`` without clipping), ``tokens_per_s`` (all
-            ranks; ``None`` until :meth:`add_tokens` was called) and ``steps`` (in the window).
+            ranks; ``None`` until :meth:`add_tokens` was called), ``steps`` (in the window) and
+            ``spike_skips`` (steps the spike guard skipped since the start).
         """
         steps = self.window_steps  # before collect() opens the next window
         stats = self.collect(scaler=scaler)
@@ -361,4 +376,5 @@ class AMPMetrics(Metrics):
             "grad_norm": stats.grad_norm,
             "tokens_per_s": stats.tokens_per_s,
             "steps": steps,
+            "spike_skips": stats.spike_skips,
         }

@@ -38,6 +38,7 @@ from distamp.integrations.lightning.hooks import (  # noqa: E402
     user_code_reads_gradients,
 )
 from distamp.integrations.scaler_slot import SkipProbe, check_scaler  # noqa: E402
+from distamp.integrations.step_guards import PluginGuards  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
 from distamp.precision.adaptive_run import (  # noqa: E402
     AdaptiveRun,
@@ -94,7 +95,10 @@ class TrainerPrecisionBase(Precision):
         policy: AutocastPolicy | None,
         unscale: UnscaleWhen,
         gate_schedulers: bool,
+        guards: PluginGuards,
     ) -> None:
+        if scaler is None and guards.spike_guard is not None:  # bf16: a check-only one steps
+            scaler = DistributedGradScaler(device=device, check_only=True)  # (and skips) here
         self.scaler = scaler  # Lightning's attribute (pre_backward scales with it)
         self._checked_scaler = scaler  # checked by check_plugin_args; a replacement at its step
         self._pinned_scaler: Any = None  # the one a policy's adaptive rules watch
@@ -105,6 +109,8 @@ class TrainerPrecisionBase(Precision):
         self.policy = policy
         self.unscale = unscale
         self.gate_schedulers = gate_schedulers
+        self.guards = guards
+        """The spike guard and the consecutive-skip limit (the engine's, driven from here)."""
         self._metrics: AMPMetrics | None = None  # built at first use: no device touched here
         self._parsed = parsed
         # Without a distamp scaler (bf16, or a replaced one), a disabled one still clips with one
@@ -203,6 +209,7 @@ class TrainerPrecisionBase(Precision):
             trust_ddp_sync=self.trust_ddp_sync,
             unscale=self.unscale,
             gate_schedulers=self.gate_schedulers,
+            **self.guards.settings(),
         )
         if self.trust_ddp_sync and isinstance(model, torch.nn.parallel.DistributedDataParallel):
             self._registered = (model, True)
@@ -235,7 +242,12 @@ class TrainerPrecisionBase(Precision):
         ``scaler.step`` (skipped on every rank when any rank holds an inf/NaN) and
         ``scaler.update``. No host sync for fused optimizers (one ``.item()`` otherwise, in
         ``scaler.step``); a scaler that is not distamp's costs one more, to read its skip.
-        A replaced :attr:`scaler` is checked first, before the closure runs.
+        A replaced :attr:`scaler` is checked first, before the closure runs. With a spike
+        guard, the decision comes before ``scaler.step`` (one small all-reduce, one host sync):
+        a spike skips the optimizer step on every rank, and the gated schedulers with it.
+
+        Raises:
+            ConsecutiveSkipsError: ``max_consecutive_skips`` steps in a row were skipped.
         """
         scaler = self._scaler_now()
         if scaler is None:  # bf16: nothing to scale or skip
@@ -265,15 +277,21 @@ class TrainerPrecisionBase(Precision):
         # `_after_closure` runs the on_before_optimizer_step hooks and configure_gradient_clipping;
         # Lightning's own precision plugins call it at this point (checked on Lightning 2.6).
         self._after_closure(model, optimizer)
+        norm = self._take_norm()  # a distamp scaler's clip: agreed, so the guard may watch it
+        spike = self.guards.before(self.metrics, norm, scaler)
         self._probe.before(scaler)
-        out = scaler.step(optimizer, **kwargs)
-        scaler.update()  # an adaptive run decides here, the same on every rank
+        if spike:  # on every rank alike: no optimizer step, the scale not backed off
+            out = None
+            self.guards.skip(scaler, optimizer, unscaled=id(optimizer) in self._unscaled)
+        else:
+            out = scaler.step(optimizer, **kwargs)
+            scaler.update()  # an adaptive run decides here, the same on every rank
         self._unscaled.clear()
         flag = self._probe.after(scaler)
         if not isinstance(scaler, DistributedGradScaler):
             self._foreign_skips += int(flag)  # a CPU flag: read without a device sync
-        self._record_skip(optimizer, flag)
-        self.metrics.step(scaler, self._take_norm())
+        spike = self.guards.after(self.metrics, scaler, spike=spike, overflow=flag, norm=norm)
+        self._record_skip(optimizer, torch.ones((), dtype=torch.bool) if spike else flag)
         changes = self.adaptive.take_changes() if self.adaptive is not None else []
         for change in changes:
             rank_zero_info(f"distamp: {change}")
@@ -288,9 +306,12 @@ class TrainerPrecisionBase(Precision):
         """Check a replaced :attr:`scaler`, then scale the loss with it (Lightning's base).
 
         Why this hook: Lightning scales the loss here, with whatever ``scaler`` holds; in manual
-        optimization it is the first use of a replacement, before any optimizer step.
+        optimization it is the first use of a replacement, before any optimizer step. The
+        spike guard's loss of the step is recorded here too (Lightning passes the loss divided
+        by ``accumulate_grad_batches``: a constant factor, which the guard's limits share).
         """
         self._scaler_now()
+        self.guards.record_loss(self.metrics, tensor)
         return super().pre_backward(tensor, module)  # type: ignore[no-any-return]
 
     def _unscale_once(self, optimizer: Optimizer) -> None:
@@ -380,7 +401,8 @@ class TrainerPrecisionBase(Precision):
     @property
     def last_step_skipped(self) -> torch.Tensor:
         """0-dim bool tensor: whether the last optimizer step was skipped on every rank (inf/NaN
-        gradients, or a ``training_step`` that returned ``None``). No host sync."""
+        gradients, a spike with ``spike_guard``, or a ``training_step`` that returned ``None``).
+        No host sync."""
         if self._last_skip is None:
             return torch.zeros((), dtype=torch.bool)
         return self._last_skip

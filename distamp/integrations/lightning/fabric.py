@@ -36,9 +36,11 @@ LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked 
 from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.fabric.utilities import rank_zero_info  # noqa: E402
 
+from distamp.engine.guards import SpikeGuard  # noqa: E402
 from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
 from distamp.integrations.lightning.arguments import check_precision  # noqa: E402
 from distamp.integrations.scaler_slot import SkipProbe, check_scaler  # noqa: E402
+from distamp.integrations.step_guards import PluginGuards  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
 from distamp.precision.adaptive_run import (  # noqa: E402
     AdaptiveRun,
@@ -77,10 +79,21 @@ class DistAMPPrecision(MixedPrecision):
         trust_ddp_sync: as in :class:`~distamp.DistAMP`: ``True`` lets the scaler skip its flag
             collective under DDP (the DDP module is registered at the first backward); off by
             default, so a gradient changed on one rank after the all-reduce is still agreed on.
+        spike_guard: a :class:`~distamp.SpikeGuard`, as in :class:`~distamp.DistAMP`: a step
+            whose loss (the mean of the losses passed to ``fabric.backward`` since the last
+            step, maximum over the ranks) or, after :meth:`clip_grad_norm_` with a distamp
+            scaler, gradient norm spikes is skipped on every rank (:attr:`step_was_skipped`
+            says so: gate your scheduler on it), the scale not backed off; counted in
+            :meth:`metrics_dict`'s ``spike_skips``. One small all-reduce and one host sync a
+            step.
+        max_consecutive_skips: as in :class:`~distamp.DistAMP`: this many skipped steps in a
+            row (overflow and spike alike) raise :class:`~distamp.ConsecutiveSkipsError` from
+            the optimizer step on every rank; ``None``: no limit.
 
     Raises:
         ValueError: a precision other than ``"16-mixed"``/``"bf16-mixed"``, a scaler with bf16,
-            or a policy for another precision (:mod:`~distamp.precision.requirements`).
+            a policy for another precision (:mod:`~distamp.precision.requirements`), or a bad
+            ``max_consecutive_skips`` (``TypeError`` for a ``spike_guard`` of the wrong kind).
     """
 
     scaler: Any
@@ -97,8 +110,11 @@ class DistAMPPrecision(MixedPrecision):
         policy: Any = None,
         *,
         trust_ddp_sync: bool = False,
+        spike_guard: SpikeGuard | None = None,
+        max_consecutive_skips: int | None = 100,
     ) -> None:
         parsed = check_precision(type(self).__name__, precision)
+        guards = PluginGuards(spike_guard, max_consecutive_skips)  # refused before anything
         given = f"DistAMPPrecision(precision={precision!r})"
         check_policy_precision(policy, parsed, given=given)  # before a scaler is chosen for it
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -119,7 +135,11 @@ class DistAMPPrecision(MixedPrecision):
         self._pinned_scaler: Any = None  # the one a policy's adaptive rules watch
         self._probe = SkipProbe()
         self._last_norm: torch.Tensor | None = None
+        self._agreed_norm = False  # the last norm came from a distamp scaler (same on every rank)
+        self._unscaled: set[int] = set()  # optimizers unscaled (or clipped) since the last step
         self._skipped: torch.Tensor | None = None
+        self.guards = guards
+        """The spike guard and the consecutive-skip limit (the engine's, driven from here)."""
 
     @property
     def metrics(self) -> AMPMetrics:
@@ -168,6 +188,7 @@ class DistAMPPrecision(MixedPrecision):
             scaler=scaler,
             policy=self.policy,
             trust_ddp_sync=self.trust_ddp_sync,
+            **self.guards.settings(),
         )
         return super().convert_module(module)
 
@@ -187,6 +208,7 @@ class DistAMPPrecision(MixedPrecision):
             if isinstance(scaler, DistributedGradScaler):
                 scaler.register_module(module, trust_ddp_sync=True)
             self._trusted.add(id(module))
+        self.guards.record_loss(self.metrics, tensor)  # the spike guard's loss of the step
         return super().pre_backward(tensor, module)
 
     # ------------------------------------------------------------------ step
@@ -197,6 +219,7 @@ class DistAMPPrecision(MixedPrecision):
         scaler = self._scaler_now()
         if scaler is not None:
             scaler.unscale_(optimizer)
+            self._unscaled.add(id(getattr(optimizer, "optimizer", optimizer)))
 
     def clip_grad_norm_(
         self, optimizer: Any, max_norm: float, norm_type: float = 2.0
@@ -213,8 +236,10 @@ class DistAMPPrecision(MixedPrecision):
         """
         optimizer = getattr(optimizer, "optimizer", optimizer)  # a _FabricOptimizer
         scaler = self._scaler_now()
-        if isinstance(scaler, DistributedGradScaler):
+        self._agreed_norm = isinstance(scaler, DistributedGradScaler)
+        if self._agreed_norm:
             norm = scaler.clip_grad_norm_(optimizer, max_norm, norm_type)
+            self._unscaled.add(id(optimizer))
         else:
             self.unscale_gradients(optimizer)
             params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -224,18 +249,29 @@ class DistAMPPrecision(MixedPrecision):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Step (skipped on every rank if any rank saw inf/NaN), update the scale, record.
+        """Step (skipped on every rank if any rank saw inf/NaN, or for a spike with
+        ``spike_guard``), update the scale, record.
 
         The skip is read from the scaler in :attr:`scaler` (a replaced one is checked first): a
         distamp scaler's agreed flag without a host sync, another's scale drop with one.
+
+        Raises:
+            ConsecutiveSkipsError: ``max_consecutive_skips`` steps in a row were skipped.
         """
         scaler = self._scaler_now()
+        norm, self._last_norm = self._last_norm, None
+        unwrapped = getattr(optimizer, "optimizer", optimizer)
+        spike = self.guards.before(self.metrics, norm if self._agreed_norm else None, scaler)
         self._probe.before(scaler)
-        out = super().optimizer_step(optimizer, **kwargs)
-        if scaler is not None:
-            self._skipped = self._probe.after(scaler)
-        self.metrics.step(scaler, self._last_norm)
-        self._last_norm = None
+        if spike:  # on every rank alike: no optimizer step, the scale not backed off
+            out = None
+            self.guards.skip(scaler, unwrapped, unscaled=id(unwrapped) in self._unscaled)
+        else:
+            out = super().optimizer_step(optimizer, **kwargs)
+        self._unscaled.clear()
+        flag = None if scaler is None else self._probe.after(scaler)
+        spike = self.guards.after(self.metrics, scaler, spike=spike, overflow=flag, norm=norm)
+        self._skipped = torch.ones((), dtype=torch.bool) if spike else flag
         if self.adaptive is not None:  # decided inside scaler.update(), the same on every rank
             for change in self.adaptive.take_changes("console"):
                 rank_zero_info(f"distamp: {change}")
@@ -243,7 +279,8 @@ class DistAMPPrecision(MixedPrecision):
 
     @property
     def step_was_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped on every rank for inf/NaN gradients.
+        """Whether the last optimizer step was skipped on every rank, for inf/NaN gradients or
+        for a spike (``spike_guard``).
 
         One host sync (reads the scaler's on-device flag), only when asked.
         """

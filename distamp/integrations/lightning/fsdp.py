@@ -26,12 +26,14 @@ LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked 
 
 from lightning.pytorch.plugins.precision import FSDPPrecision  # noqa: E402
 
+from distamp.engine.guards import SpikeGuard  # noqa: E402
 from distamp.integrations.lightning.arguments import (  # noqa: E402
     UnscaleWhen,
     check_plugin_args,
     lightning_precision_name,
 )
 from distamp.integrations.lightning.base import TrainerPrecisionBase  # noqa: E402
+from distamp.integrations.step_guards import PluginGuards  # noqa: E402
 from distamp.parallel.fsdp import fsdp1_mixed_precision  # noqa: E402
 from distamp.precision.policy import AutocastPolicy, select_mp_owner  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
@@ -66,7 +68,10 @@ class DistAMPFSDPPrecision(TrainerPrecisionBase, FSDPPrecision):
         *,
         unscale: UnscaleWhen = "auto",
         gate_schedulers: bool = True,
+        spike_guard: SpikeGuard | None = None,
+        max_consecutive_skips: int | None = 100,
     ) -> None:
+        guards = PluginGuards(spike_guard, max_consecutive_skips)  # refused before anything
         parsed, device, scaler = check_plugin_args(
             type(self).__name__, precision, device, scaler, policy, unscale, gate_schedulers
         )
@@ -77,7 +82,7 @@ class DistAMPFSDPPrecision(TrainerPrecisionBase, FSDPPrecision):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
             FSDPPrecision.__init__(self, lightning_precision_name(parsed))
-        self._init_distamp(parsed, device, scaler, policy, unscale, gate_schedulers)
+        self._init_distamp(parsed, device, scaler, policy, unscale, gate_schedulers, guards)
         self._mp_owner = (
             "autocast" if policy is not None else select_mp_owner(parsed, "fsdp", device)
         )

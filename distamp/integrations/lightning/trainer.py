@@ -48,12 +48,14 @@ LIGHTNING_VERSION = lightning_version.LIGHTNING_VERSION  # importing it checked 
 
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
+from distamp.engine.guards import SpikeGuard  # noqa: E402
 from distamp.integrations.lightning.arguments import (  # noqa: E402
     UnscaleWhen,
     check_plugin_args,
     lightning_precision_name,
 )
 from distamp.integrations.lightning.base import TrainerPrecisionBase  # noqa: E402
+from distamp.integrations.step_guards import PluginGuards  # noqa: E402
 from distamp.precision.policy import AutocastPolicy  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
@@ -94,11 +96,23 @@ class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
         trust_ddp_sync: as in :class:`~distamp.DistAMP`: ``True`` registers the DDP module so
             the scaler takes no flag collective; off by default, so a gradient changed on one
             rank after the all-reduce (``on_after_backward`` hooks) is still agreed on.
+        spike_guard: a :class:`~distamp.SpikeGuard`, as in :class:`~distamp.DistAMP`: a step
+            whose loss (the mean over the step's micro-batches, maximum over the ranks) or, with
+            ``gradient_clip_val`` (norm), gradient norm spikes is skipped on every rank: no
+            optimizer step, no step of the gated schedulers, the scale not backed off;
+            counted in :meth:`metrics_dict`'s ``spike_skips``. Lightning still counts the step
+            in ``global_step`` and runs its hooks. With bf16, a check-only scaler is made to
+            step through. One small all-reduce and one host sync a step.
+        max_consecutive_skips: as in :class:`~distamp.DistAMP`: this many skipped steps in a
+            row (overflow and spike alike) raise :class:`~distamp.ConsecutiveSkipsError` from
+            the optimizer step on every rank (``trainer.fit`` ends with it); ``None``: no limit.
 
     Raises:
         ValueError: a precision other than ``"16-mixed"``/``"bf16-mixed"``, a scaler with bf16,
-            a policy for another precision, or a bad ``unscale``/``gate_schedulers``.
-        TypeError: a scaler that is not a :class:`~distamp.DistributedGradScaler`.
+            a policy for another precision, a bad ``unscale``/``gate_schedulers``, or a bad
+            ``max_consecutive_skips``.
+        TypeError: a scaler that is not a :class:`~distamp.DistributedGradScaler`, a
+            ``spike_guard`` that is no :class:`~distamp.SpikeGuard`.
     """
 
     def __init__(
@@ -111,7 +125,10 @@ class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
         unscale: UnscaleWhen = "auto",
         gate_schedulers: bool = True,
         trust_ddp_sync: bool = False,
+        spike_guard: SpikeGuard | None = None,
+        max_consecutive_skips: int | None = 100,
     ) -> None:
+        guards = PluginGuards(spike_guard, max_consecutive_skips)  # refused before anything
         parsed, device, scaler = check_plugin_args(
             type(self).__name__, precision, device, scaler, policy, unscale, gate_schedulers
         )
@@ -119,7 +136,7 @@ class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
         # bf16 with adaptive rules gets a check-only scaler, which Lightning refuses for bf16
         lightning_scaler = scaler if parsed.needs_scaler else None
         MixedPrecision.__init__(self, lightning_precision_name(parsed), device, lightning_scaler)
-        self._init_distamp(parsed, device, scaler, policy, unscale, gate_schedulers)
+        self._init_distamp(parsed, device, scaler, policy, unscale, gate_schedulers, guards)
 
     @override
     @contextmanager
