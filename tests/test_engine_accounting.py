@@ -6,20 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from engine_scenarios import tiny_engine as _engine
 
 from distamp import DistAMP
-
-
-def _engine(precision: str = "bf16", model: nn.Module | None = None) -> tuple[DistAMP, nn.Module]:
-    amp = DistAMP(precision, device="cpu")
-    model = model if model is not None else nn.Linear(4, 2)
-    wrapped, _ = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    return amp, wrapped
-
-
-def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x).float().square().mean()
 
 
 def test_backward_refuses_a_loss_that_is_not_one_number_and_a_token_count_that_is_none() -> None:

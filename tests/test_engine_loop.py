@@ -6,20 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
-from distamp import DistAMP
-
-
-def _engine(precision: str = "bf16", model: nn.Module | None = None) -> tuple[DistAMP, nn.Module]:
-    amp = DistAMP(precision, device="cpu")
-    model = model if model is not None else nn.Linear(4, 2)
-    wrapped, _ = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    return amp, wrapped
-
-
-def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x).float().square().mean()
+from engine_scenarios import square_loss as _loss
+from engine_scenarios import tiny_engine as _engine
 
 
 @pytest.mark.parametrize(

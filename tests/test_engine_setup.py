@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 from _dist import free_port, run_ranks
+from engine_scenarios import square_loss as _loss
+from engine_scenarios import tiny_engine as _engine
 from torch import nn
 
 from distamp import AutocastPolicy, DistAMP, DistributedGradScaler
@@ -28,17 +30,6 @@ from distamp.precision.adaptive import AdaptiveRules
 def _model(width: int = 8) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
-
-
-def _engine(precision: str = "bf16", model: nn.Module | None = None) -> tuple[DistAMP, nn.Module]:
-    amp = DistAMP(precision, device="cpu")
-    model = model if model is not None else nn.Linear(4, 2)
-    wrapped, _ = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    return amp, wrapped
-
-
-def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x).float().square().mean()
 
 
 @pytest.mark.parametrize(
