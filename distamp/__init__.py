@@ -17,6 +17,7 @@ from distamp.cluster import (
     CollectiveTimeoutError,
     DistEnv,
     RendezvousError,
+    check_shared_directory,
     detect_environment,
     init_distributed,
     shutdown_distributed,
@@ -66,6 +67,7 @@ __all__ = [
     "PrecisionChange",
     # launching
     "DistEnv",
+    "check_shared_directory",
     "detect_environment",
     "init_distributed",
     "shutdown_distributed",

@@ -46,6 +46,7 @@ from distamp import (
     Telemetry,
     WindowStats,
     apply_activation_checkpointing,
+    check_shared_directory,
     compile_blocks,
     export,
     init_distributed,
@@ -147,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # identical init on every rank (FSDP does not broadcast it)
     if args.out is None:
         args.out = _run_directory()
+    try:  # node-local --out on several hosts: refused now, not when the first save fails
+        check_shared_directory(args.out)
+    except ValueError as exc:  # every rank raises; the usage error is printed once
+        if env.rank == 0:
+            print(f"{Path(sys.argv[0]).name}: error: argument --out: {exc}", file=sys.stderr)
+        shutdown_distributed()
+        return 2
     cfg = SIZES[args.size]
     # fp8 takes its layer selection from a precision policy (fp32 norms and softmax included).
     policy = (

@@ -130,6 +130,32 @@ def test_mpirun_across_two_hosts(
     assert all(_veth_bytes(h) - b > 100_000 for h, b in zip(cluster.hosts, before, strict=True))
 
 
+def test_node_local_out_is_refused_before_training(
+    cluster: nc.NetnsCluster, tmp_path: Path
+) -> None:
+    """--out on node-local disks: the same path on each host, a different disk behind it (a
+    tmpfs mounted in each host's own mount namespace, which ``ip netns exec`` gives it). The
+    job must refuse it before the first step, not train and then fail every save."""
+    out = tmp_path / "out"
+    out.mkdir()
+    local = tmp_path / "node-local-python"
+    local.write_text(  # the agent and the worker it starts see this host's tmpfs only
+        '#!/bin/sh\nmount -t tmpfs node-local "$NODE_LOCAL" || exit 97\nexec "$REAL_PYTHON" "$@"\n'
+    )
+    local.chmod(0o755)
+    env = {**_env(), "NODE_LOCAL": str(out), "REAL_PYTHON": sys.executable}
+    args = [*JOB_ARGS, "--out", str(out)]
+    results = cluster.torchrun(
+        str(local), JOB, args, env=env, timeout=TIMEOUT_S, port=29401, cwd=REPO
+    )
+    stderr = "\n".join(r.stderr for r in results)
+    assert all(r.returncode not in (0, 97) for r in results), stderr[-3000:]
+    assert "error: argument --out: directory" in stderr, stderr[-3000:]
+    assert "rank 0 does not see the files rank(s) 1 wrote there" in stderr, stderr[-3000:]
+    assert "steps on 2 rank(s)" not in stderr, stderr[-3000:]  # training never started
+    assert not list(out.iterdir())  # the shared path itself was never written
+
+
 def test_hosts_are_isolated_from_the_machine(cluster: nc.NetnsCluster) -> None:
     first, second = cluster.hosts
     # Each test address exists only inside its namespace...

@@ -115,3 +115,12 @@ def test_step_guards_are_exported() -> None:
         assert name in distamp.__all__, name
     assert issubclass(distamp.ConsecutiveSkipsError, RuntimeError)
     assert distamp.StepResult(None, None, None, spike=True).skip_reason == "spike"
+
+
+def test_shared_directory_check_is_public_and_documented() -> None:
+    """``distamp.check_shared_directory``: what fit and the main job call before training, for
+    loops of users' own that save with ``save_state``."""
+    assert "check_shared_directory" in distamp.__all__
+    assert distamp.check_shared_directory is distamp.cluster.check_shared_directory
+    reference = (ROOT / "docs" / "reference" / "cluster.md").read_text(encoding="utf-8")
+    assert "::: distamp.check_shared_directory" in reference

@@ -9,6 +9,8 @@ that name what was waiting when a peer stops answering.
   fix; :func:`shutdown_distributed`.
 - :mod:`~distamp.cluster.collectives`: :func:`named_collective`, :func:`is_distributed`.
 - :mod:`~distamp.cluster.agreement`: :func:`agree_settings`, settings compared across ranks once.
+- :mod:`~distamp.cluster.shared_directory`: :func:`check_shared_directory`, a checkpoint
+  directory that every rank sees, checked before training.
 - :mod:`~distamp.cluster.launching`: what ``distamp launch`` starts and how: the launch spec,
   the ``auto`` rule, the launcher -> command mapping.
 - :mod:`~distamp.cluster.supervise`: what ``distamp launch`` runs: signals passed on to every
@@ -24,6 +26,7 @@ from distamp.cluster.dist_env import DistEnv
 from distamp.cluster.environments.slurm import expand_nodelist
 from distamp.cluster.main_address import free_port
 from distamp.cluster.rendezvous import RendezvousError, init_distributed, shutdown_distributed
+from distamp.cluster.shared_directory import check_shared_directory
 
 __all__ = [
     "LAUNCHERS",
@@ -32,6 +35,7 @@ __all__ = [
     "RendezvousError",
     "SettingsMismatchError",
     "agree_settings",
+    "check_shared_directory",
     "detect_environment",
     "expand_nodelist",
     "free_port",

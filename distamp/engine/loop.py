@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from distamp.arguments import ArgumentTypeError, integer_or_none
-from distamp.cluster import named_collective
+from distamp.cluster import check_shared_directory, named_collective
 from distamp.engine.accounting import MicroBatchCycle, SkipReports
 from distamp.engine.config import AMPConfig
 from distamp.observe.metrics import Metrics, StepResult, WindowStats
@@ -90,7 +90,9 @@ class RunLoop:
             on_step: called after every step with the step count (e.g. a progress bar).
             stop_requested: polled at each logging step (e.g. a signal flag); if it is true on
                 any rank, every rank stops there, saves (with ``checkpoint_dir``) and returns.
-            checkpoint_dir: where to save every ``checkpoint_interval`` steps and at the end.
+            checkpoint_dir: where to save every ``checkpoint_interval`` steps and at the end;
+                one filesystem shared by every rank, checked before the first step
+                (:func:`~distamp.cluster.check_shared_directory`: a probe file per rank).
             checkpoint_interval: steps between saves; 0: only at the end.
 
         Returns:
@@ -98,7 +100,8 @@ class RunLoop:
 
         Raises:
             TypeError, ValueError: a bad argument, named, before anything ran
-                (:func:`check_fit_arguments`).
+                (:func:`check_fit_arguments`); a ``checkpoint_dir`` that not every rank sees
+                (``ValueError`` on every rank, before the first step).
         """
         args = check_fit_arguments(
             batch=batch,
@@ -116,6 +119,9 @@ class RunLoop:
         log_interval, checkpoint_interval = args["log_interval"], args["checkpoint_interval"]
         n, stats, model = self.config.grad_accum_steps, None, self.model
         cfg_timeout = self.config.timeout
+        if checkpoint_dir is not None:  # node-local disks: refused now, not at the first save
+            with named_collective("fit: checkpoint_dir seen by every rank?", cfg_timeout):
+                check_shared_directory(checkpoint_dir)
         saved_at = self.step_count  # a resumed run that has nothing left to do saves nothing
         while self.step_count < steps:
             for micro in range(n):

@@ -79,7 +79,11 @@ class EnginePersistence:
 
     def save_state(self: Persisted, directory: str | Path, *, keep: int = 2) -> Path:
         """Save model, optimizer, scheduler, scaler, step counter and RNG streams atomically
-        (see :mod:`distamp.engine.checkpoint`). Collective: call on every rank."""
+        (see :mod:`distamp.engine.checkpoint`). Collective: call on every rank.
+
+        ``directory`` must be one filesystem shared by every rank; a save finds out only after
+        writing, so a loop of your own checks it before training with
+        :func:`distamp.check_shared_directory` (as ``fit(checkpoint_dir=...)`` does)."""
         self.cycle.require_idle(
             "save_state() in the middle of an accumulation cycle: call it after step()"
         )
