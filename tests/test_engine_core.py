@@ -6,30 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
-from distamp.engine import DistAMP
-
-
-def _engine(precision: str = "fp16") -> tuple[DistAMP, nn.Module]:
-    torch.manual_seed(0)
-    amp = DistAMP(precision=precision, strategy="none", max_grad_norm=1.0)
-    model, _ = amp.setup(nn.Linear(8, 2), lambda p: torch.optim.AdamW(p, lr=1e-2))
-    return amp, model
-
-
-def _train(amp: DistAMP, model: nn.Module, steps: int, nan_at: int | None = None) -> list[bool]:
-    stepped = []
-    for k in range(steps):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(k))
-        with amp.autocast():
-            loss = model(x).float().square().mean()
-        if k == nan_at:
-            loss = loss * float("nan")
-        result = amp.backward_and_step(loss)
-        assert result is not None
-        stepped.append(result.stepped)
-    return stepped
+from engine_scenarios import clipped_engine as _engine
+from engine_scenarios import train_steps as _train
 
 
 def test_nan_loss_before_scaling_is_skipped_and_reported() -> None:
