@@ -174,14 +174,26 @@ class DistAMP(EnginePersistence, RunLoop):
         max_consecutive_skips: int | None = 100,
     ) -> None:
         self.config = make_config(
-            precision, policy=policy, timeout=timeout, device=device, strategy=strategy,
-            comm_hook=comm_hook, hsdp_shard_size=hsdp_shard_size, mesh=mesh,
-            grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm, scaler=scaler,
-            trust_ddp_sync=trust_ddp_sync, ft_manager=ft_manager,
-            trace_nonfinite=trace_nonfinite, numerics_interval=numerics_interval,
-            ddp_kwargs=ddp_kwargs, telemetry=telemetry, spike_guard=spike_guard,
+            precision,
+            policy=policy,
+            timeout=timeout,
+            device=device,
+            strategy=strategy,
+            comm_hook=comm_hook,
+            hsdp_shard_size=hsdp_shard_size,
+            mesh=mesh,
+            grad_accum_steps=grad_accum_steps,
+            max_grad_norm=max_grad_norm,
+            scaler=scaler,
+            trust_ddp_sync=trust_ddp_sync,
+            ft_manager=ft_manager,
+            trace_nonfinite=trace_nonfinite,
+            numerics_interval=numerics_interval,
+            ddp_kwargs=ddp_kwargs,
+            telemetry=telemetry,
+            spike_guard=spike_guard,
             max_consecutive_skips=max_consecutive_skips,
-        )  # fmt: skip
+        )
         self.strategy, self.mp_owner, self.device = strategy, "none", torch.device("cpu")
         self.scaler = scaler if scaler is not None else DistributedGradScaler("cpu", enabled=False)
         self.scheduler, self.metrics = None, Metrics(self.device)
