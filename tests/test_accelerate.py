@@ -250,3 +250,99 @@ def test_accelerate_and_hf_trainer_refuse_a_policy_of_another_precision(tmp_path
     assert "mixed_precision='no' trains in fp32" in messages[1], messages
     if importlib.util.find_spec("transformers") is not None:
         assert len(messages) == 3 and "TrainingArguments" in messages[2], messages
+
+
+# ---------------------------------------------------------------------------- step guards
+def _accelerate_guarded(rank: int, world: int, what: str) -> dict[str, Any]:
+    """DistAMPAccelerator (fp16, 2 CPU processes) with a prepared scheduler and the guards:
+    ``what="spike"``: rank 1's loss x1e3 at one step; ``what="limit"``: a +inf gradient element
+    on rank 1 at every step."""
+    import torch
+    from accelerate.utils import GradScalerKwargs
+    from guard_scenarios import (
+        GUARD,
+        INIT_SCALE,
+        LIMIT,
+        STEPS,
+        batch,
+        digest,
+        inject_inf,
+        loss_of,
+        model,
+        same_on_every_rank,
+        snapshot,
+        unchanged,
+    )
+
+    from distamp import ConsecutiveSkipsError
+    from distamp.integrations.accelerate import DistAMPAccelerator
+
+    spike = what == "spike"
+    acc = DistAMPAccelerator(
+        mixed_precision="fp16",
+        cpu=True,
+        kwargs_handlers=[GradScalerKwargs(init_scale=INIT_SCALE)],
+        spike_guard=GUARD if spike else None,
+        max_consecutive_skips=None if spike else LIMIT,
+    )
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.99)
+    net, opt, sched = acc.prepare(net, opt, sched)
+    skipped, kept = [], []
+    try:
+        for step in range(STEPS):
+            acc.backward(loss_of(net, batch(rank, step), rank if spike else 0, step))
+            if not spike:
+                inject_inf(net, rank)
+            before = snapshot(net)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            skipped.append(opt.step_was_skipped)
+            kept.append(unchanged(before, net))
+    except ConsecutiveSkipsError as exc:
+        return {"raised_at": len(skipped), "message": str(exc)}
+    same_on_every_rank(digest(net))
+    return {
+        "skipped": skipped,
+        "kept": kept,
+        "metrics": acc.amp_metrics_dict(),
+        "scale": acc.scaler.get_scale(),
+        "scheduler_steps": sched.scheduler.last_epoch,
+    }
+
+
+def test_accelerate_spike_on_one_rank_is_skipped_on_both() -> None:
+    """Rank 1's loss x1e3 at one step: that step (only) is skipped on both ranks, the
+    parameters unchanged by it and bitwise equal across ranks at the end, the prepared
+    scheduler not stepped then, one spike skip and no overflow skip in the metrics."""
+    from guard_scenarios import INIT_SCALE, SPIKE_AT, STEPS
+
+    for r in run_ranks(_accelerate_guarded, 2, "spike", timeout=120):
+        assert r["skipped"] == [k == SPIKE_AT for k in range(STEPS)], r["skipped"]
+        assert r["kept"] == r["skipped"], r["kept"]
+        assert r["metrics"]["spike_skips"] == 1 and r["metrics"]["skipped_steps"] == 0
+        assert r["scale"] == INIT_SCALE
+        assert r["scheduler_steps"] == 2 * (STEPS - 1), r  # Accelerate steps it per process
+
+
+def test_accelerate_consecutive_skips_raise_on_both_ranks() -> None:
+    """A +inf gradient element on rank 1 at every step: ConsecutiveSkipsError from the
+    prepared optimizer's step on both ranks at the same step (read every 8 steps)."""
+    from guard_scenarios import LIMIT
+
+    results = run_ranks(_accelerate_guarded, 2, "limit", timeout=120)
+    assert [r["raised_at"] for r in results] == [7, 7], results
+    for r in results:
+        assert f"max_consecutive_skips={LIMIT}" in r["message"], r["message"]
+        assert "overflow at iteration" in r["message"], r["message"]
+
+
+def test_accelerate_guard_settings_refused_naming_the_field() -> None:
+    from distamp.integrations.accelerate import DistAMPAccelerator
+
+    with pytest.raises(ValueError, match="max_consecutive_skips=0"):
+        DistAMPAccelerator(cpu=True, max_consecutive_skips=0)
+    with pytest.raises(TypeError, match=r"spike_guard=1\.5"):
+        DistAMPAccelerator(cpu=True, spike_guard=1.5)  # type: ignore[arg-type]

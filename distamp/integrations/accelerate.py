@@ -34,18 +34,17 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from typing_extensions import override
 
-from distamp.versions import WINDOWS, check_version
+from distamp.integrations import accelerate_optimizer
 
-SUPPORTED = WINDOWS["accelerate"]
+ACCELERATE_VERSION = accelerate_optimizer.ACCELERATE_VERSION  # importing it checked the version
+SUPPORTED = accelerate_optimizer.SUPPORTED
 """The Accelerate releases this adapter was verified with (see :mod:`distamp.versions`)."""
-
-ACCELERATE_VERSION = check_version("accelerate")
 
 from accelerate import Accelerator  # noqa: E402  (only after the version check)
 from accelerate.logging import get_logger  # noqa: E402
@@ -53,8 +52,11 @@ from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
 from distamp.cluster.agreement import agree_failures  # noqa: E402
+from distamp.engine.guards import SpikeGuard  # noqa: E402
+from distamp.integrations.accelerate_optimizer import DistAMPOptimizer  # noqa: E402
 from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
-from distamp.integrations.scaler_slot import SkipProbe, check_scaler  # noqa: E402
+from distamp.integrations.scaler_slot import check_scaler  # noqa: E402
+from distamp.integrations.step_guards import PluginGuards  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
 from distamp.precision.adaptive_run import AdaptiveRun, change_metrics  # noqa: E402
 from distamp.precision.policy import parse_precision  # noqa: E402
@@ -79,58 +81,6 @@ def _check_policy(policy: Any, mode: str) -> None:
     except ValueError:
         return
     check_policy_precision(policy, precision, given=f"mixed_precision={str(mode)!r}")
-
-
-class DistAMPOptimizer(AcceleratedOptimizer):
-    """Accelerate's optimizer wrapper with the skip read from the scaler, not guessed.
-
-    Accelerate's own wrapper decides "skipped" by whether ``optimizer.step`` was reached; a fused
-    optimizer (``fused=True``) is always reached and skips inside its kernel, so a skip goes
-    unreported and an attached LR scheduler steps anyway. Here the scaler's rank-agreed flag is
-    kept (on device) after each real step and read only when :attr:`step_was_skipped` is asked.
-    """
-
-    _distamp_skipped: torch.Tensor | None = None
-    _distamp_after_step: Callable[[Any], None] | None = None
-    _distamp_scaler_now: Callable[[], Any] | None = None
-
-    def call_after_step(self, callback: Callable[[Any], None] | None) -> None:
-        """Have ``callback(scaler)`` called after each real optimizer step (not after an
-        accumulation micro-step); the accelerator counts its metrics window with it."""
-        self._distamp_after_step = callback
-
-    def follow_scaler(self, scaler_now: Callable[[], Any]) -> None:
-        """Step with ``scaler_now()`` (the accelerator's ``scaler``, checked) at each real step,
-        not with the scaler this wrapper was prepared with: ``accelerator.backward`` scales the
-        loss with the accelerator's, so a replacement made after ``prepare`` must also unscale
-        and step."""
-        self._distamp_scaler_now = scaler_now
-
-    @override
-    def step(self, closure: Any = None) -> None:
-        sync = self.gradient_state.sync_gradients
-        if sync and self._distamp_scaler_now is not None:
-            self.scaler = self._distamp_scaler_now()  # refused here, before the step, if unfit
-        probe = SkipProbe()
-        if sync:
-            probe.before(self.scaler)
-        super().step(closure)
-        scaler = self.scaler
-        if not sync:
-            return  # an accumulation micro-step: Accelerate did not step
-        if scaler is not None:
-            self._distamp_skipped = probe.after(scaler)
-        if self._distamp_after_step is not None:
-            self._distamp_after_step(scaler)
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped for inf/NaN gradients on any rank.
-
-        One host sync (reads the scaler's on-device flag), only when asked.
-        """
-        flag = self._distamp_skipped
-        return False if flag is None else bool(flag)  # host sync, on request
 
 
 class DistAMPAccelerator(Accelerator):
@@ -166,12 +116,24 @@ class DistAMPAccelerator(Accelerator):
             Off by default: an inf written into a gradient after the all-reduce (a gradient hook,
             a rank-local transformation) would then go unseen by the other ranks. Same name and
             meaning as in :class:`~distamp.DistAMP` and the Lightning plug-ins.
+        spike_guard: a :class:`~distamp.SpikeGuard`, as in :class:`~distamp.DistAMP`: a step
+            whose loss (the mean of the losses given to ``backward`` since the last step,
+            maximum over the ranks) or, after ``clip_grad_norm_`` over one prepared optimizer's
+            parameters with a distamp scaler, gradient norm spikes is skipped on every rank
+            (the prepared optimizer does not step, its ``step_was_skipped`` is true, so
+            Accelerate's prepared schedulers and the HF Trainer's scheduler do not step), the
+            scale not backed off; counted in :meth:`amp_metrics_dict`'s ``spike_skips``. One
+            small all-reduce and one host sync a step.
+        max_consecutive_skips: as in :class:`~distamp.DistAMP`: this many skipped steps in a
+            row (overflow and spike alike) raise :class:`~distamp.ConsecutiveSkipsError` from
+            the prepared optimizer's ``step`` on every rank; ``None``: no limit.
 
     Raises:
         ValueError: ``scaler`` given without mixed precision, or with DeepSpeed, Megatron-LM or
             MS-AMP, which own loss scaling themselves; a policy whose precision is not the
             accelerator's (:mod:`~distamp.precision.requirements`); an adaptive policy with no
-            distamp scaler to drive it.
+            distamp scaler to drive it; a bad ``max_consecutive_skips`` (``TypeError`` for a
+            ``spike_guard`` that is no :class:`~distamp.SpikeGuard`).
     """
 
     adaptive: AdaptiveRun | None = None
@@ -183,14 +145,20 @@ class DistAMPAccelerator(Accelerator):
         scaler: DistributedGradScaler | None = None,
         policy: Any = None,
         trust_ddp_sync: bool = False,
+        spike_guard: SpikeGuard | None = None,
+        max_consecutive_skips: int | None = 100,
         **kwargs: Any,
     ) -> None:
+        guards = PluginGuards(spike_guard, max_consecutive_skips)  # refused before anything
         if isinstance(kwargs.get("mixed_precision"), str):  # refused before Accelerate's state
             _check_policy(policy, kwargs["mixed_precision"])  # exists: it can be set only once
         super().__init__(*args, **kwargs)
         self.policy = policy
         self.trust_ddp_sync = bool(trust_ddp_sync)
         self.amp_metrics = AMPMetrics(self.device)
+        self.guards = guards
+        self._unscaled: set[int] = set()  # optimizers unscaled (or clipped) since their step
+        self._agreed_norm = False  # the last clipping norm is a distamp scaler's (agreed)
         self._last_grad_norm: torch.Tensor | None = None
         self._pending_scaler: dict[str, Any] | None = None  # checked before a load, applied after
         self._pending_adaptive: dict[str, Any] | None = None  # likewise
@@ -233,6 +201,7 @@ class DistAMPAccelerator(Accelerator):
             trust_ddp_sync=self.trust_ddp_sync,
             distributed_type=str(self.distributed_type),
             gradient_accumulation_steps=self.gradient_accumulation_steps,
+            **guards.settings(),
         )
 
     # ------------------------------------------------------------------ preparing
@@ -303,6 +272,7 @@ class DistAMPAccelerator(Accelerator):
         replaced scaler is checked first, so one that cannot be honoured is refused before any
         gradient is written."""
         self._scaler_now()
+        self.guards.record_loss(self.amp_metrics, loss)  # the spike guard's loss of the step
         super().backward(loss, **kwargs)
 
     @override
@@ -318,6 +288,7 @@ class DistAMPAccelerator(Accelerator):
             wrapped.__class__ = DistAMPOptimizer
             wrapped.call_after_step(self._after_step)
             wrapped.follow_scaler(self._scaler_now)
+            wrapped.guard_with(self._guard_step)
         return wrapped
 
     # ------------------------------------------------------------------ the step
@@ -337,12 +308,15 @@ class DistAMPAccelerator(Accelerator):
         """
         scaler = self._scaler_now()
         params = list(parameters)
+        self._agreed_norm = False
         if not (isinstance(scaler, DistributedGradScaler) and scaler.is_enabled()):
             norm = super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
         else:
             opt = self._optimizer_owning(params)
             if opt is not None and hasattr(scaler, "clip_grad_norm_"):
                 norm = scaler.clip_grad_norm_(opt, max_norm, norm_type)
+                self._unscaled.add(id(opt))
+                self._agreed_norm = True
             else:
                 # Accelerate unscales every prepared optimizer through the scaler, then clips.
                 norm = super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
@@ -362,15 +336,41 @@ class DistAMPAccelerator(Accelerator):
                 return opt
         return None
 
-    def _after_step(self, scaler: Any) -> None:
-        self.amp_metrics.step(scaler, self._last_grad_norm)
-        self._last_grad_norm = None
+    @override
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Accelerate's ``unscale_gradients``, noting which optimizers it unscaled (a spike skip
+        then does not unscale them twice)."""
+        super().unscale_gradients(optimizer)
+        if self.native_amp and self.mixed_precision == "fp16":  # where Accelerate unscales
+            given = self._optimizers if optimizer is None else optimizer
+            for opt in given if isinstance(given, (list, tuple)) else [given]:
+                while isinstance(opt, AcceleratedOptimizer):
+                    opt = opt.optimizer
+                self._unscaled.add(id(opt))
+
+    def _guard_step(self, scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+        """Before a prepared optimizer's real step: whether the spike guard skips it (then
+        done here, on every rank alike: see :class:`~distamp.integrations.step_guards.
+        PluginGuards`)."""
+        norm = self._last_grad_norm if self._agreed_norm else None
+        spike = self.guards.before(self.amp_metrics, norm, scaler)
+        if spike:
+            self.guards.skip(scaler, optimizer, unscaled=id(optimizer) in self._unscaled)
+        self._unscaled.discard(id(optimizer))
+        return spike
+
+    def _after_step(self, scaler: Any, overflow: Any, spike: bool) -> bool:
+        norm, self._last_grad_norm, self._agreed_norm = self._last_grad_norm, None, False
+        spike = self.guards.after(
+            self.amp_metrics, scaler, spike=spike, overflow=overflow, norm=norm
+        )
         if self.adaptive is not None:  # decided inside scaler.update(), the same on every rank
             changes = self.adaptive.take_changes()
             for change in changes:
                 _logger.info("%s", change, main_process_only=True)
             if changes:
                 self.log(change_metrics(changes), step=changes[-1].step)
+        return spike
 
     # ------------------------------------------------------------------ metrics
     def amp_metrics_dict(self) -> dict[str, float | int | None]:

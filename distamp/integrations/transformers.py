@@ -61,6 +61,7 @@ TRANSFORMERS_VERSION = check_version("transformers")
 from transformers import Trainer, TrainerCallback  # noqa: E402  (only after the version check)
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint  # noqa: E402
 
+from distamp.engine.guards import SpikeGuard  # noqa: E402
 from distamp.integrations.accelerate import DistAMPAccelerator  # noqa: E402
 from distamp.observe.diagnostics import OverflowReport  # noqa: E402
 from distamp.precision.adaptive_run import change_metrics  # noqa: E402
@@ -76,7 +77,7 @@ T = TypeVar("T", bound=type)
 class DistAMPTrainerMixin:
     """What :func:`with_distamp` puts in front of a ``Trainer`` class (see the module doc).
 
-    Adds three keyword arguments to the Trainer's own, with the meaning they have in
+    Adds five keyword arguments to the Trainer's own, with the meaning they have in
     :class:`~distamp.integrations.accelerate.DistAMPAccelerator`:
 
     Args:
@@ -88,6 +89,14 @@ class DistAMPTrainerMixin:
         trust_ddp_sync: skip the skip-flag collective when DDP's all-reduce spans the job. Off by
             default: then one small collective a step also covers gradients changed on one rank
             after the all-reduce (in ``training_step``, say).
+        spike_guard: a :class:`~distamp.SpikeGuard`: a step whose loss (or, with
+            ``max_grad_norm``, gradient norm) spikes is skipped on every rank: the optimizer does
+            not step and, as ``optimizer_step_was_skipped`` is then true, neither does the
+            Trainer's scheduler. The Trainer still counts the step in ``global_step``, runs its
+            callbacks and zeroes the gradients. Training logs gain ``spike_skips``.
+        max_consecutive_skips: this many skipped steps in a row (overflow and spike alike)
+            raise :class:`~distamp.ConsecutiveSkipsError` out of ``train()`` on every rank;
+            ``None``: no limit. Default 100, as in :class:`~distamp.DistAMP`.
     """
 
     accelerator: DistAMPAccelerator
@@ -99,6 +108,8 @@ class DistAMPTrainerMixin:
         scaler: DistributedGradScaler | None = None,
         policy: Any = None,
         trust_ddp_sync: bool = False,
+        spike_guard: SpikeGuard | None = None,
+        max_consecutive_skips: int | None = 100,
         **kwargs: Any,
     ) -> None:
         if scaler is not None and not isinstance(scaler, DistributedGradScaler):
@@ -109,7 +120,13 @@ class DistAMPTrainerMixin:
         if not isinstance(trust_ddp_sync, bool):
             raise ValueError(f"trust_ddp_sync={trust_ddp_sync!r} must be a bool")
         # Set before Trainer.__init__, which builds the accelerator.
-        self._distamp_options = dict(scaler=scaler, policy=policy, trust_ddp_sync=trust_ddp_sync)
+        self._distamp_options = dict(
+            scaler=scaler,
+            policy=policy,
+            trust_ddp_sync=trust_ddp_sync,
+            spike_guard=spike_guard,
+            max_consecutive_skips=max_consecutive_skips,
+        )
         self._distamp_accelerator_args: dict[str, Any] | None = None
         self._distamp_resume: str | None = None
         super().__init__(*args, **kwargs)
@@ -164,6 +181,8 @@ class DistAMPTrainerMixin:
         scaler = self.scaler
         if scaler is not None and "loss" in logs:
             logs = {**logs, "loss_scale": scaler.get_scale(), "skipped_steps": scaler.skipped_steps}
+        if "loss" in logs and self.accelerator.guards.spike_guard is not None:
+            logs = {**logs, "spike_skips": self.accelerator.amp_metrics.spike_skips}
         adaptive = self.accelerator.adaptive
         if adaptive is not None and "loss" in logs:
             logs.update(change_metrics(adaptive.take_changes("trainer")))
@@ -232,6 +251,6 @@ def with_distamp(trainer_class: T) -> T:
 class DistAMPTrainer(DistAMPTrainerMixin, Trainer):
     """A ``transformers.Trainer`` that trains through distamp (see the module doc).
 
-    Same arguments as ``Trainer``, plus ``scaler``, ``policy`` and ``trust_ddp_sync`` (see
-    :class:`DistAMPTrainerMixin`).
+    Same arguments as ``Trainer``, plus ``scaler``, ``policy``, ``trust_ddp_sync``,
+    ``spike_guard`` and ``max_consecutive_skips`` (see :class:`DistAMPTrainerMixin`).
     """
