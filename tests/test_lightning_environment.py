@@ -17,8 +17,6 @@ from _dist import launcher_free_env
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# ---- Lightning where mpi4py cannot load its MPI library -----------------------------------------
-
 _BROKEN_MPI = """\
 raise RuntimeError(
     "cannot load MPI library\\nlibmpi.so.40: cannot open shared object file: No such file"
@@ -49,8 +47,12 @@ def test_adaptive_guides_trainer_block_runs_where_mpi4py_cannot_load_libmpi(
     env = launcher_free_env()
     env.update(PYTHONPATH=os.pathsep.join([str(fake.parent), str(ROOT)]), OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, "block.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        [sys.executable, "block.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=180,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "fc fp16 -> fp32" in done.stdout, done.stdout
