@@ -211,3 +211,20 @@ def test_tokens_per_s_is_none_until_tokens_are_counted() -> None:
     amp, _ = _engine()
     stats = amp.fit(lambda k: torch.ones(3, 4), _loss, steps=1)
     assert stats is not None and stats.tokens_per_s is None
+
+
+def test_a_replaced_scaler_without_a_skip_count_reads_as_never_skipping() -> None:
+    """A plug-in's scaler replaced by a test double (``Mock(wraps=scaler)``, as Lightning's own
+    tests do) or by torch's GradScaler: the window's figures are still computed, the scale read
+    through the double, and the skips counted as none (neither keeps a readable count)."""
+    from unittest.mock import Mock
+
+    doubles = (
+        Mock(wraps=DistributedGradScaler("cpu", init_scale=256.0)),
+        torch.amp.GradScaler("cpu", init_scale=256.0),
+    )
+    for scaler in doubles:
+        metrics = AMPMetrics()
+        metrics.step(scaler)
+        figures = metrics.compute(scaler)
+        assert figures["loss_scale"] == 256.0 and figures["skipped_steps"] == 0, figures
