@@ -6,7 +6,8 @@ has already run) at two steps. Checked: fp16 autocast really runs on CPU (a Line
 dtype), both ranks skip the same steps, the scheduler steps only on real steps, the parameters
 are bitwise equal across ranks, the logs carry ``loss_scale``/``skipped_steps``, and resuming
 from the step-4 checkpoint ends bitwise equal to the uninterrupted run. bf16 gets a check-only
-scaler with the same agreement.
+scaler with the same agreement. The step guards given to the Trainer (``spike_guard``,
+``max_consecutive_skips``) skip a spike on every rank and end a run that no longer trains.
 """
 
 from __future__ import annotations
@@ -337,3 +338,139 @@ def test_a_scaler_assigned_after_construction_is_honoured_or_refused(tmp_path: P
     assert diff < 1e-5, diff
     assert "is no loss scaler" in runs["refused"] and "GradScaler" in runs["refused"], runs
     assert runs["unchanged"], runs
+
+
+# ---- step guards: spike_guard and max_consecutive_skips ---------------------------------------
+
+
+# The Llama's fp16 backward of a loss x1e3 overflows from a scale of 2**7 on (measured on all 32
+# batches): 2**3 keeps the spike a spike (guard_scenarios' 2**8 suits its smaller model only).
+GUARDED_SCALE = 2.0**3
+
+
+def _guarded(rank: int, world: int, root: str, what: str) -> dict[str, Any]:
+    """The tiny Llama through ``with_distamp`` (fp16, starting scale 2**3) with the step guards
+    of tests/guard_scenarios.py. ``what="spike"``: rank 1's loss x1e3 at :data:`SPIKE_AT` (a
+    ``compute_loss`` override), a spike guard, no skip limit; ``what="limit"``: a +inf element
+    in rank 1's first gradient at every step (in ``training_step``, after DDP's all-reduce: a
+    rank-local overflow), ``max_consecutive_skips=LIMIT`` and no spike guard."""
+    from guard_scenarios import (
+        GUARD,
+        LIMIT,
+        SPIKE_AT,
+        STEPS,
+        inject_inf,
+        same_on_every_rank,
+        snapshot,
+        unchanged,
+    )
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from distamp import ConsecutiveSkipsError, DistributedGradScaler
+    from distamp.integrations.transformers import with_distamp
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    spike = what == "spike"
+
+    class BadRankTrainer(Trainer):
+        """A user's Trainer subclass: rank 1's loss spikes, or its gradient overflows."""
+
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+            loss = super().compute_loss(model, inputs, *args, **kw)
+            if spike and rank == 1 and self.state.global_step == SPIKE_AT:
+                loss = loss * 1e3
+            return loss
+
+        def training_step(self, model: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+            loss = super().training_step(model, inputs, *args, **kw)
+            if not spike:
+                inject_inf(model, rank)
+            return loss
+
+    class Record(TrainerCallback):
+        def __init__(self) -> None:
+            self.skipped: list[bool] = []
+            self.kept: list[bool] = []
+            self.scheduler: list[int] = []
+            self.before: Any = None
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.before = snapshot(trainer.model)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.skipped.append(bool(trainer.accelerator.optimizer_step_was_skipped))
+            self.kept.append(unchanged(self.before, trainer.model))
+            self.scheduler.append(trainer.lr_scheduler.last_epoch)
+
+    args = TrainingArguments(
+        output_dir=f"{root}/{what}",
+        use_cpu=True,
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        seed=0,
+        fp16=True,
+    )
+    record = Record()
+    trainer = with_distamp(BadRankTrainer)(
+        model=_model(),
+        args=args,
+        train_dataset=_Tokens(64),
+        callbacks=[record],
+        scaler=DistributedGradScaler("cpu", GUARDED_SCALE),
+        spike_guard=GUARD if spike else None,
+        max_consecutive_skips=None if spike else LIMIT,
+    )
+    try:
+        trainer.train()
+    except ConsecutiveSkipsError as exc:
+        return {"raised_at": len(record.skipped), "message": str(exc)}
+    same_on_every_rank(_digest(trainer.model))  # bitwise-equal parameters at the end
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    return {
+        "skipped": record.skipped,
+        "kept": record.kept,
+        "scheduler": record.scheduler,
+        "spike_skips": [e.get("spike_skips") for e in logs],
+        "skipped_steps": trainer.scaler.skipped_steps,
+        "scale": trainer.scaler.get_scale(),
+        "global_step": trainer.state.global_step,
+    }
+
+
+def test_hf_trainer_spike_on_one_rank_is_skipped_on_both(tmp_path: Path) -> None:
+    """Rank 1's loss x1e3 at one step, ``spike_guard=SpikeGuard(...)`` given to the Trainer:
+    that step (only) is skipped on both ranks, the parameters unchanged by it and bitwise equal
+    across ranks at the end, the Trainer's scheduler not stepped then (the step still counted
+    in ``global_step``), the logs' ``spike_skips`` 1 from that step on, no overflow skip and the
+    scale not backed off."""
+    from guard_scenarios import SPIKE_AT, STEPS
+
+    expected = [k == SPIKE_AT for k in range(STEPS)]
+    for r in run_ranks(_guarded, 2, str(tmp_path), "spike", timeout=120):
+        assert r["skipped"] == expected, r["skipped"]
+        assert r["kept"] == expected, r["kept"]
+        assert r["scheduler"] == [k + 1 - (k >= SPIKE_AT) for k in range(STEPS)], r["scheduler"]
+        assert r["spike_skips"] == [int(k >= SPIKE_AT) for k in range(STEPS)], r["spike_skips"]
+        assert r["skipped_steps"] == 0 and r["scale"] == GUARDED_SCALE, r
+        assert r["global_step"] == STEPS, r
+
+
+def test_hf_trainer_consecutive_skips_raise_on_both_ranks(tmp_path: Path) -> None:
+    """A +inf gradient element on rank 1 at every step, ``max_consecutive_skips=LIMIT`` given to
+    the Trainer: ``ConsecutiveSkipsError`` out of ``train()`` on both ranks at the same step
+    (the streak is read every 8 steps), naming the limit and carrying the overflow report."""
+    from guard_scenarios import LIMIT
+
+    results = run_ranks(_guarded, 2, str(tmp_path), "limit", timeout=120)
+    assert [r["raised_at"] for r in results] == [7, 7], results
+    for r in results:
+        assert f"max_consecutive_skips={LIMIT}" in r["message"], r["message"]
+        assert "overflow at iteration" in r["message"], r["message"]
