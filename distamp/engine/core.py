@@ -358,7 +358,8 @@ class DistAMP(EnginePersistence, RunLoop):
         Host syncs: those of the scaler's ``step`` (none for fused optimizers or ``sync_free``),
         plus one to read the skip decision when a scheduler is attached (a Python scheduler cannot
         be stepped conditionally on device), plus one for the spike guard's decision when it is
-        on; the consecutive-skip count is read with those, else every 8 steps.
+        on; the consecutive-skip count is read with those, else every 8 steps (a sync-free loop
+        that must never wait on the device passes ``max_consecutive_skips=None``).
 
         Raises:
             ConsecutiveSkipsError: ``max_consecutive_skips`` steps in a row were skipped.
