@@ -87,11 +87,12 @@ def _unused_parameters(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     plain = DistAMP("bf16", strategy="ddp", device="cpu", timeout=60)
     plain.setup(Branchy(), _sgd)
-    try:  # DDP's own error: the second forward finds the first reduction unfinished
+    try:  # refused at the first backward, before any step, naming the option
         _train(plain, rank, 2)
         out["without"] = "trained"
-    except RuntimeError as exc:
+    except ValueError as exc:
         out["without"] = str(exc)
+        out["steps_without"] = plain.step_count
     return out
 
 
@@ -185,7 +186,8 @@ def ranks() -> list[dict[str, Any]]:
 def test_find_unused_parameters_reaches_ddp(ranks: list[dict[str, Any]]) -> None:
     for out in (r["unused"] for r in ranks):
         assert out["stepped"] == [True, True, True] and out["unused"] is None
-        assert "find_unused_parameters=True" in out["without"], out["without"]
+        assert "'find_unused_parameters': True" in out["without"], out["without"]
+        assert "'unused.weight'" in out["without"] and out["steps_without"] == 0
     assert ranks[0]["unused"]["params"] == ranks[1]["unused"]["params"]
 
 
