@@ -300,14 +300,15 @@ def _launch(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     """``distamp report``: the page written and its headline figures; a folder that is not a
     run is a usage error (exit 2) saying what it lacks."""
-    from distamp.observe.report import ReportError, load_run, summary, write_report
+    from distamp.observe.report import ReportError, draw_report, load_run, summary
 
     try:
-        page = write_report(args.run, args.output, png=args.png)
+        run = load_run(args.run)
     except ReportError as exc:
         print(f"distamp report: {exc}", file=sys.stderr)
         return 2
-    headline = summary(load_run(args.run)).items()
+    page = draw_report(run, args.run, args.output, png=args.png)
+    headline = summary(run).items()
     figures = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in headline)
     print(f"wrote {page} ({figures})")
     if args.png:

@@ -28,7 +28,7 @@ from typing import Any
 from distamp.observe.report_plots import FIGURES, RunData
 from distamp.observe.telemetry import read_telemetry
 
-__all__ = ["ReportError", "load_run", "summary", "write_report"]
+__all__ = ["ReportError", "draw_report", "load_run", "summary", "write_report"]
 
 METRICS = "metrics.jsonl"
 
@@ -125,7 +125,18 @@ def write_report(
         ReportError: the folder is not a run (:func:`load_run`).
         ImportError: matplotlib is missing; the message gives the install command.
     """
-    run = load_run(directory)
+    return draw_report(load_run(directory), directory, output, png=png)
+
+
+def draw_report(
+    run: RunData,
+    directory: str | Path,
+    output: str | Path | None = None,
+    *,
+    png: str | Path | None = None,
+) -> Path:
+    """:func:`write_report` for a run already loaded (:func:`load_run`), so that a caller that
+    also prints its :func:`summary` reads the folder once."""
     try:
         import matplotlib  # noqa: F401  (the figures import its parts)
     except ImportError as e:

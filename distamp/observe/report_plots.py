@@ -70,12 +70,11 @@ class RunData:
         rank comes from the window's overflow report. Spike skips (``spike_skips``) likewise."""
         out: list[Skip] = []
         blamed = [(s, m) for r in self.records for s, m in r.skips]
-        previous = {"skipped_steps": 0, "spike_skips": 0}
+        previous, low = {"skipped_steps": 0, "spike_skips": 0}, 0  # counts and step so far
         for w in self.windows:
             ranks = _RANK.search(str(w.get("overflow") or ""))
             grew = {k: int(w.get(k) or 0) - v for k, v in previous.items()}
             previous = {k: int(w.get(k) or 0) for k in previous}
-            low = previous_step(self.windows, w)
             if not blamed and grew["skipped_steps"] > 0:
                 out.append(Skip(int(w["step"]), "overflow", ranks=ranks and ranks.group(1)))
             for s, module in blamed:
@@ -83,15 +82,10 @@ class RunData:
                     out.append(Skip(s, "overflow", module, ranks and ranks.group(1)))
             if grew["spike_skips"] > 0:
                 out.append(Skip(int(w["step"]), "spike"))
+            low = int(w["step"])
         if not self.windows:
             out = [Skip(s, "overflow", m) for s, m in blamed]
         return out
-
-
-def previous_step(windows: Sequence[dict[str, Any]], window: dict[str, Any]) -> int:
-    """The step of the window before ``window`` (0 for the first)."""
-    index = next(i for i, w in enumerate(windows) if w is window)
-    return int(windows[index - 1]["step"]) if index else 0
 
 
 def _figure(height: float = 3.2) -> tuple[Any, Any]:
