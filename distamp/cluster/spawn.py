@@ -4,6 +4,13 @@ The one multi-process harness of the tests and the benchmarks: every multi-proce
 benchmark goes through :func:`run_ranks`, so that a hang fails within ``timeout`` seconds
 instead of stalling CI, a worker's traceback reaches the caller, and every worker leaves its
 process group destroyed.
+
+Workers are forked from a ``forkserver`` that imported torch and distamp once (where the
+platform has one; ``spawn`` elsewhere). Each call still gets fresh processes, so nothing one
+call does reaches the next, but not a fresh interpreter: importing torch and distamp costs
+about 5 s a process on a small CPU machine, and most tests' scenarios run for less than
+that. The caller's environment at the call is the worker's (a forked worker would otherwise
+see the server's, taken when it started).
 """
 
 from __future__ import annotations
@@ -24,9 +31,36 @@ from distamp.cluster.main_address import free_port
 
 __all__ = ["RankPool", "run_ranks"]
 
+# Imported once by the fork server, before it forks any worker. Nothing here may start a thread
+# or initialise CUDA at import (a fork would copy a half-held lock or an unusable CUDA context):
+# torch and distamp do neither. Triton and the frameworks stay out: they read environment
+# variables at import (``TRITON_INTERPRET``), which differ from call to call.
+_PRELOAD = ["torch", "torch.distributed", "distamp", "distamp.cluster.spawn"]
 
-def _rank_environment(rank: int, world_size: int, port: int, threads: int) -> None:
-    """What a launcher would set for this rank (rendezvous on this host), and its threads."""
+
+def _context() -> Any:
+    """The start method's context: a fork server that preloaded :data:`_PRELOAD` if the
+    platform has one, else ``spawn``."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs: it keeps its own
+    return ctx
+
+
+def _caller_environment(env: dict[str, str]) -> None:
+    """Make the worker's environment the caller's at the call, as ``spawn`` would have it."""
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def _rank_environment(
+    rank: int, world_size: int, port: int, threads: int, env: dict[str, str]
+) -> None:
+    """The caller's environment plus what a launcher would set for this rank (rendezvous on
+    this host), and its threads."""
+    _caller_environment(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -47,8 +81,9 @@ def _worker(
     args: tuple[Any, ...],
     results: Any,
     threads: int,
+    env: dict[str, str],
 ) -> None:
-    _rank_environment(rank, world_size, port, threads)
+    _rank_environment(rank, world_size, port, threads, env)
     try:
         try:
             dist.init_process_group(
@@ -103,13 +138,14 @@ class _PortTaken(Exception):
 def _spawn(
     fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float, threads: int
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, port, timeout, args, results, threads),
+            args=(fn, rank, world_size, port, timeout, args, results, threads, env),
             daemon=True,
         )
         for rank in range(world_size)
@@ -159,10 +195,17 @@ def _spawn(
 
 
 def _pool_worker(
-    rank: int, world_size: int, port: int, timeout: float, tasks: Any, results: Any, threads: int
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout: float,
+    tasks: Any,
+    results: Any,
+    threads: int,
+    env: dict[str, str],
 ) -> None:
     """One rank of a :class:`RankPool`: join the group once, then run tasks until told to stop."""
-    _rank_environment(rank, world_size, port, threads)
+    _rank_environment(rank, world_size, port, threads, env)
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
     )
@@ -195,14 +238,23 @@ class RankPool:
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        port, world = free_port(), self.world_size
+        port, world, env = free_port(), self.world_size, dict(os.environ)
         self._procs = [
             ctx.Process(
                 target=_pool_worker,
-                args=(r, world, port, self.timeout, self._tasks[r], self._results, self.threads),
+                args=(
+                    r,
+                    world,
+                    port,
+                    self.timeout,
+                    self._tasks[r],
+                    self._results,
+                    self.threads,
+                    env,
+                ),
                 daemon=True,
             )
             for r in range(world)
