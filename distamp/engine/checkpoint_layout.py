@@ -28,6 +28,7 @@ __all__ = [
     "MANIFEST",
     "CheckpointError",
     "cause_of",
+    "failures_of_a_save_or_load",
     "latest_checkpoint",
     "load_file",
     "model_mismatch",
@@ -73,6 +74,16 @@ def single_process_quiet() -> Iterator[None]:
                 "ignore", message=".*assuming the intent is to", category=UserWarning
             )
         yield
+
+
+def failures_of_a_save_or_load() -> tuple[type[BaseException], ...]:
+    """What a DCP save or load can raise: any ``Exception`` and DCP's ``CheckpointException``
+    (a ``BaseException``). For an ``except`` clause, which evaluates it only when something was
+    raised: importing DCP costs most of ``import distamp`` (it brings DTensor and sympy), and a
+    process that never checkpoints need not pay it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
 
 
 def cause_of(exc: BaseException) -> str:

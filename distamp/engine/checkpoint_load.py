@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from distamp.cluster import is_distributed
 from distamp.cluster.agreement import agree_failures
 from distamp.engine.checkpoint_layout import (
     FORMAT_VERSION,
     CheckpointError,
+    failures_of_a_save_or_load,
     latest_checkpoint,
     load_file,
     model_mismatch,
@@ -189,7 +189,7 @@ def apply_checkpoint(
     try:
         with single_process_quiet():
             dcp_load(state, checkpoint_id=path / "state", no_dist=not is_distributed())
-    except (Exception, CheckpointException) as exc:  # the latter is a BaseException
+    except failures_of_a_save_or_load() as exc:
         # DCP has already agreed on the failure across ranks (it gathers every rank's
         # exception), so every rank raises here and none is left waiting in a collective.
         raise unreadable(path / "state", exc, path.parent) from exc

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from distamp.arguments import ArgumentTypeError, as_integer
 from distamp.cluster import is_distributed
@@ -29,6 +28,7 @@ from distamp.engine.checkpoint_layout import (
     MANIFEST,
     CheckpointError,
     cause_of,
+    failures_of_a_save_or_load,
     rank_and_world,
     single_process_quiet,
     state_dict_options,
@@ -120,7 +120,7 @@ def save_checkpoint(
         if rank == 0:
             meta = {"format": FORMAT_VERSION, "step": step, "world_size": world}
             _save_synced({**trainer_state, "meta": meta}, tmp / "trainer.pt")
-    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+    except failures_of_a_save_or_load() as exc:
         error = f"could not write {tmp}: {cause_of(exc)}"
     _agree_on_save(error, tmp, "could not write every rank's part")
     digests = _digest_share(tmp, rank, world)
