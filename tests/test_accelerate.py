@@ -32,6 +32,7 @@ from torch import nn  # noqa: E402
 from distamp import AutocastPolicy  # noqa: E402
 from distamp.cluster import SettingsMismatchError  # noqa: E402
 from tests._dist import run_ranks, run_torchrun  # noqa: E402
+from tests.snapshots import same_state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, ACCUM, BAD_STEP, SAVE_AT = 4, 2, 2, 1
@@ -362,16 +363,6 @@ def _small_model(width: int = 8) -> nn.Module:
     return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b or (a != a and b != b))  # NaN equals NaN here
-
-
 def test_accelerate_refuses_a_bad_scaler_file_before_loading_anything(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     from distamp.integrations.accelerate import DistAMPAccelerator
@@ -389,7 +380,7 @@ def test_accelerate_refuses_a_bad_scaler_file_before_loading_anything(tmp_path: 
     with pytest.raises(ValueError, match=r"scaler\.pt") as info:
         acc.load_state(str(tmp_path))
     assert "nothing was loaded" in str(info.value)
-    assert _same(model.state_dict(), before)
+    assert same_state(model.state_dict(), before)
 
 
 def test_accelerate_clip_with_infinite_max_norm_reads_the_norm_only() -> None:

@@ -36,6 +36,7 @@ from torch import nn
 from distamp import DistAMP
 from distamp.engine.checkpoint import CheckpointError, save_checkpoint
 from distamp.engine.integrity import LISTING, record_listing
+from tests.snapshots import same_state
 
 TIMEOUT_S = 60  # the process group's collective timeout: a rank left waiting would hit it
 
@@ -72,23 +73,13 @@ def _snapshot(amp: DistAMP) -> dict[str, Any]:
     })  # fmt: skip
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
 def _refused_load(amp: DistAMP, root: Path) -> dict[str, Any]:
     before = _snapshot(amp)
     try:
         amp.load_state(root)
     except CheckpointError as exc:
-        return {"error": str(exc), "unchanged": _same(before, _snapshot(amp))}
-    return {"error": None, "unchanged": _same(before, _snapshot(amp))}
+        return {"error": str(exc), "unchanged": same_state(before, _snapshot(amp))}
+    return {"error": None, "unchanged": same_state(before, _snapshot(amp))}
 
 
 def _blocked_save(amp: DistAMP, root: Path, blocked: int, rank: int) -> dict[str, Any]:
@@ -212,7 +203,7 @@ def _hf_part(rank: int, root: Path) -> dict[str, Any]:
         error = None
     except ValueError as exc:
         error = str(exc)
-    unchanged = _same(before, trainer.model.state_dict())
+    unchanged = same_state(before, trainer.model.state_dict())
     return {"error": error, "unchanged": unchanged, "step": trainer.state.global_step}
 
 
@@ -271,7 +262,7 @@ def _lightning_part(rank: int, root: Path) -> dict[str, Any]:
         error = None
     except ValueError as exc:
         error = str(exc)
-    return {"error": error, "unchanged": _same(before, net.state_dict())}
+    return {"error": error, "unchanged": same_state(before, net.state_dict())}
 
 
 def _installed(*modules: str) -> bool:
@@ -372,4 +363,4 @@ def test_checkpoint_without_listing_loads_as_before(tmp_path: Path) -> None:
     fresh = _engine("none", hook=None)
     assert fresh.load_state(tmp_path)
     got = _snapshot(fresh)
-    assert _same(got["model"], expected["model"]) and got["step"] == expected["step"] == 2
+    assert same_state(got["model"], expected["model"]) and got["step"] == expected["step"] == 2

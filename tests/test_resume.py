@@ -41,6 +41,7 @@ from torch import nn
 from distamp import DistAMP, ScaleUnderflowError
 from distamp.engine.checkpoint import CheckpointError
 from distamp.engine.integrity import record_listing
+from tests.snapshots import same_state
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "tests" / "scripts" / "fault_train.py")
@@ -237,16 +238,6 @@ def _snapshot(amp: DistAMP) -> dict[str, Any]:
     }
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b or (a != a and b != b))  # NaN equals NaN here
-
-
 def _saved(tmp_path: Path, precision: str = "fp16", **kwargs: Any) -> Path:
     amp, _ = _engine(precision, **kwargs)
     _train(amp, 3)
@@ -307,7 +298,7 @@ def test_a_refused_load_changes_nothing(edit: Any, field: str, tmp_path: Path) -
     with pytest.raises(ValueError) as info:
         amp.load_state(tmp_path)
     assert "trainer.pt" in str(info.value) and field in str(info.value), info.value
-    assert _same(_snapshot(amp), before)
+    assert same_state(_snapshot(amp), before)
 
 
 @pytest.mark.parametrize("width", [16, 4])
@@ -320,7 +311,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_loading(
     with pytest.raises(CheckpointError, match="does not fit this model") as info:
         amp.load_state(tmp_path)
     assert "shape" in str(info.value)
-    assert _same(_snapshot(amp), before)
+    assert same_state(_snapshot(amp), before)
 
 
 def test_a_checkpoint_with_extra_entries_is_not_loaded_as_a_subset(tmp_path: Path) -> None:
@@ -332,7 +323,7 @@ def test_a_checkpoint_with_extra_entries_is_not_loaded_as_a_subset(tmp_path: Pat
     before = _snapshot(small)
     with pytest.raises(CheckpointError, match="entries this model does not have"):
         small.load_state(tmp_path)
-    assert _same(_snapshot(small), before)
+    assert same_state(_snapshot(small), before)
 
 
 def test_a_path_that_is_not_a_checkpoint_directory_is_an_error(tmp_path: Path) -> None:
@@ -467,7 +458,7 @@ def test_fuzzed_checkpoint_contents(changes: dict[str, Any], dropped: set[str]) 
             amp.load_state(work)
         except (ValueError, CheckpointError) as exc:
             assert "trainer.pt" in str(exc), f"the file is not named: {exc}"
-            assert _same(_snapshot(amp), before), "a refused load changed something"
+            assert same_state(_snapshot(amp), before), "a refused load changed something"
             event("refused, nothing changed")
             return
         try:
