@@ -31,11 +31,25 @@ from distamp.cluster.main_address import free_port
 
 __all__ = ["RankPool", "run_ranks"]
 
-# Imported once by the fork server, before it forks any worker. Nothing here may start a thread
-# or initialise CUDA at import (a fork would copy a half-held lock or an unusable CUDA context):
-# torch and distamp do neither. Triton and the frameworks stay out: they read environment
-# variables at import (``TRITON_INTERPRET``), which differ from call to call.
-_PRELOAD = ["torch", "torch.distributed", "distamp", "distamp.cluster.spawn"]
+# Imported once by the fork server, before it forks any worker: torch, the torch.distributed
+# layers the parallel layouts use (DTensor, FSDP, DCP, pipelining) and dynamo (torch.compile),
+# about 4 s a process between them. Nothing here may start a thread or initialise CUDA at import
+# (a fork would copy a half-held lock or an unusable CUDA context): none does. Nothing here may
+# read at import an environment variable a caller may change between calls either: dynamo
+# brings Triton in, which reads ``TRITON_INTERPRET`` when a kernel is defined, and distamp's
+# kernels are defined in the worker, on first use. The frameworks stay out for that reason.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.distributed.pipelining",
+    "torch._dynamo",
+    "distamp",
+    "distamp.cluster.spawn",
+]
 
 
 def _context() -> Any:
