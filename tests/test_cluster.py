@@ -533,6 +533,48 @@ def test_run_ranks_retries_a_port_taken_before_rank_0_binds(
         assert next(offered, None) is None  # the taken port was offered (and refused) first
 
 
+def _what_the_rank_sees(rank: int, world: int, name: str) -> dict[str, Any]:
+    """The rank's view: ``name`` in its environment, the marker an earlier call may have left
+    in this module, then the marker set, and its process id."""
+    seen = {"env": os.environ.get(name), "marker": globals().get("_MARKER"), "pid": os.getpid()}
+    globals()["_MARKER"] = rank
+    return seen
+
+
+def test_run_ranks_gives_each_call_fresh_ranks_with_the_callers_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ranks are forked from a server that started before this test: they still see the
+    environment as the caller has it at each call (a variable set, then removed), and nothing
+    one call leaves in a module reaches the next call's ranks."""
+    name = "DISTAMP_TEST_SPAWN_VARIABLE"
+    monkeypatch.setenv(name, "first")
+    first = run_ranks(_what_the_rank_sees, 2, name, timeout=60)
+    assert [r["env"] for r in first] == ["first", "first"]
+    monkeypatch.delenv(name)
+    second = run_ranks(_what_the_rank_sees, 2, name, timeout=60)
+    assert [r["env"] for r in second] == [None, None]
+    assert [r["marker"] for r in first + second] == [None] * 4  # fresh processes every call
+    assert len({r["pid"] for r in first + second} | {os.getpid()}) == 5
+
+
+def test_rank_pool_keeps_its_ranks_between_calls_and_sees_the_callers_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool's ranks live across calls (what a property test's many examples need): the
+    second call finds what the first left, in the same processes."""
+    from distamp.cluster.spawn import RankPool
+
+    name = "DISTAMP_TEST_SPAWN_VARIABLE"
+    monkeypatch.setenv(name, "pool")
+    with RankPool(2, timeout=60) as pool:
+        first = pool.run(_what_the_rank_sees, name)
+        second = pool.run(_what_the_rank_sees, name)
+    assert [r["env"] for r in first] == ["pool", "pool"]
+    assert [r["marker"] for r in second] == [0, 1]
+    assert [r["pid"] for r in first] == [r["pid"] for r in second]
+
+
 # ------------------------------------------------------------------ bad launcher variables, fuzzed
 LAUNCHER_NAMES = st.sampled_from(
     [
