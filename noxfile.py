@@ -120,9 +120,18 @@ def floors(session: nox.Session, package: str) -> None:
     session.install(floor, *ALSO.get(package, []), *_torch())  # torch again: never another build
     session.run("python", "-c", SHOW_VERSION.format(package=package))
     session.run(
-        "python", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", FLOORS_DESELECT,
-        *TESTS[package], env={"OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        FLOORS_DESELECT,
+        *TESTS[package],
+        env={"OMP_NUM_THREADS": "1"},
+    )
 
 
 @nox.session(name="torch", python=None)
