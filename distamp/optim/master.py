@@ -1,0 +1,432 @@
+"""16-bit weights with their fp32 master, stepped by torch's own update rules.
+
+:class:`MasterWeightOptimizer` wraps a torch optimizer built over the model's parameters. The
+parameters become 16-bit (:func:`cast_parameters_`: the weights the forward reads, the gradients
+backward writes, the bytes DDP all-reduces and FSDP gathers), and beside each one lies what
+restores its fp32 value (:class:`Master`): a remainder, an fp32 copy, a compensation buffer, or
+nothing. A step reconstructs the fp32 masters of a chunk of parameters, runs torch's update on
+them (:mod:`distamp.optim.rules`), and stores them back; the temporaries never exceed one chunk.
+
+It speaks the protocol of torch's fused optimizers (``_step_supports_amp_scaling``): a scaler
+sets ``grad_scale`` (the loss scale, times the clip divisor) and the agreed ``found_inf`` before
+calling ``step``, so the scaler's one read pass over the 16-bit gradients is the only one before
+the step, the gradients are divided in fp32, and a step skipped on any rank leaves weights,
+masters and states untouched on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from distamp.optim.bits import join_remainder, round_nearest_bf16, round_stochastic, split_remainder
+from distamp.optim.config import WeightPrecision
+from distamp.optim.rules import Rule, rule_for
+from distamp.optim.sharding import WeightGather, assign_owners
+
+__all__ = ["Master", "MasterWeightOptimizer", "cast_parameters_", "local_tensor"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (FSDP2, TP), else ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def cast_parameters_(
+    params: Iterable[nn.Parameter], dtype: torch.dtype
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Turn fp32 ``params`` into ``dtype`` in place (same ``Parameter`` objects, so optimizers
+    and modules that hold them still do) and return what restores each exact master: the int16
+    remainder for bf16, the fp32 value itself for fp16. Parameters that are not fp32 are left
+    alone and get no entry."""
+    low: dict[nn.Parameter, torch.Tensor] = {}
+    for p in params:
+        if p.dtype != torch.float32:
+            continue
+        with torch.no_grad():
+            if dtype == torch.bfloat16:
+                weight, low[p] = split_remainder(p.detach())
+            else:
+                low[p] = p.detach().clone()
+                weight = low[p].to(dtype)
+        p.data = weight
+    return low
+
+
+@dataclass
+class Master:
+    """What restores one parameter's fp32 value on this rank.
+
+    ``kind``: "fp32" (an fp32 parameter, its own master: an island of the policy), "remainder"
+    (bf16 weight + int16 remainder, exact), "copy" (an fp32 copy: fp16 weights, or sharded),
+    "stochastic" (none), "kahan" (a bf16 compensation), "remote" (another rank owns it).
+    """
+
+    param: nn.Parameter
+    kind: str
+    low: torch.Tensor | None = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return local_tensor(self.param.detach())
+
+    def fp32(self) -> torch.Tensor:
+        """The fp32 master: the parameter or the copy itself (updated in place), or a new
+        tensor rebuilt from the weight."""
+        w = self.weight
+        if self.kind == "fp32":
+            return w
+        if self.kind == "copy":
+            assert self.low is not None
+            return self.low
+        if self.kind == "remainder":
+            assert self.low is not None
+            return join_remainder(w, self.low)
+        if self.kind == "kahan":
+            assert self.low is not None
+            return w.float() + self.low.float()
+        return w.float()
+
+    def store_(self, master: torch.Tensor, generator: torch.Generator | None) -> None:
+        """Write the updated fp32 ``master`` back as weight (and remainder or compensation)."""
+        w = self.weight
+        if self.kind == "fp32":
+            return  # stepped in place
+        if self.kind == "remainder":
+            assert self.low is not None
+            high, remainder = split_remainder(master)
+            w.copy_(high)
+            self.low.copy_(remainder)
+        elif self.kind == "copy":
+            w.copy_(master)  # the copy was stepped in place; the weight is its rounding
+        elif self.kind == "stochastic":
+            w.copy_(round_stochastic(master, generator))
+        elif self.kind == "kahan":
+            assert self.low is not None
+            high = round_nearest_bf16(master)
+            self.low.copy_(master - high.float())
+            w.copy_(high)
+
+    def load_(self, master: torch.Tensor) -> None:
+        """Take ``master`` (fp32, this rank's shape) as the exact truth."""
+        w = self.weight
+        if self.kind == "fp32":
+            w.copy_(master)
+        elif self.kind == "copy":
+            assert self.low is not None
+            self.low.copy_(master)
+            w.copy_(master)
+        elif self.kind in ("remainder", "kahan"):
+            self.store_(master, None)
+        elif self.kind == "stochastic":
+            w.copy_(round_nearest_bf16(master))
+
+
+def _make_master(
+    p: nn.Parameter, precision: WeightPrecision, low: torch.Tensor | None, owned: bool
+) -> Master:
+    w = local_tensor(p.detach())
+    if w.dtype == torch.float32:
+        return Master(p, "fp32" if owned else "remote")
+    if w.dtype != precision.torch_dtype:
+        raise ValueError(
+            f"a parameter of shape {tuple(p.shape)} is {w.dtype}, but the weight precision is "
+            f"{precision.dtype}: cast the model with the same precision (master_weights does)"
+        )
+    if not owned:
+        return Master(p, "remote")
+    exact = low if low is None else local_tensor(low)
+    if precision.master == "stochastic":
+        return Master(p, "stochastic")
+    if precision.master == "kahan":
+        return Master(p, "kahan", torch.zeros_like(w))
+    if precision.master == "sharded" or w.dtype == torch.float16:
+        if exact is None:
+            raise ValueError("an fp16 or sharded master needs the fp32 values cast_parameters_ kept")
+        if exact.dtype == torch.int16:  # a bf16 weight's remainder: the copy is the joined value
+            exact = join_remainder(w, exact)
+        return Master(p, "copy", exact.detach().clone())
+    if exact is None or exact.dtype != torch.int16:
+        raise ValueError("an exact bf16 master needs the remainder cast_parameters_ returned")
+    return Master(p, "remainder", exact.detach().clone())
+
+
+class MasterWeightOptimizer(torch.optim.Optimizer):
+    """A torch optimizer's update applied to fp32 masters of 16-bit weights.
+
+    Build it with :func:`distamp.optim.master_weights` (a loop of your own) or let
+    ``DistAMP(weights=...)`` build it. The wrapped optimizer's ``param_groups`` are shared, not
+    copied: a scheduler built over either changes both.
+
+    Args:
+        optimizer: an :class:`~torch.optim.AdamW`, ``Adam`` or ``SGD`` over the (already cast)
+            parameters, not stepped yet.
+        precision: the :class:`~distamp.optim.config.WeightPrecision`.
+        low: what :func:`cast_parameters_` returned for them (remainders or fp32 values; under
+            FSDP2 the shards matching each parameter's local shard).
+        process_group: the data-parallel ranks the masters are sharded over
+            (``master="sharded"``; ``None``: the default group).
+        seed: the stochastic rounding's random stream, the same on every rank.
+
+    Raises:
+        ValueError: an optimizer it cannot drive, one that has stepped, or a parameter whose
+            dtype is neither fp32 nor the weight precision's.
+    """
+
+    _step_supports_amp_scaling = True  # the scaler hands grad_scale and found_inf to step()
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        precision: WeightPrecision,
+        low: Mapping[nn.Parameter, torch.Tensor] | None = None,
+        *,
+        process_group: Any = None,
+        seed: int = 0,
+    ) -> None:
+        if isinstance(optimizer, MasterWeightOptimizer):
+            raise ValueError("this optimizer already keeps master weights")
+        self.rule: Rule = rule_for(optimizer)
+        if any(optimizer.state.values()):
+            raise ValueError(
+                f"{type(optimizer).__name__} has stepped already: its states are fp32 tensors "
+                "of the old weights. Build the weight precision before the first step (or load "
+                "the states afterwards with load_state_dict)."
+            )
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups  # shared: schedulers of either reach both
+        self.inner = optimizer
+        self.precision = precision
+        self.generator = torch.Generator().manual_seed(seed)
+        params = [p for g in self.param_groups for p in g["params"]]
+        self.gather: WeightGather | None = None
+        owners = [0] * len(params)
+        rank = 0
+        if precision.master == "sharded" and _world(process_group) > 1:
+            import torch.distributed as dist
+
+            world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+            owners = assign_owners([local_tensor(p.detach()).numel() for p in params], world)
+            locals_ = [local_tensor(p.detach()) for p in params]
+            self.gather = WeightGather(locals_, owners, process_group)
+        low = low or {}
+        self.masters: dict[nn.Parameter, Master] = {
+            p: _make_master(p, precision, low.get(p), owner == rank)
+            for p, owner in zip(params, owners, strict=True)
+        }
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self.masters[p].kind != "remote":
+                    self.state[p] = self._fresh_state(group, p)
+
+    # ------------------------------------------------------------------ state
+    def _fresh_state(self, group: dict[str, Any], p: nn.Parameter) -> dict[str, Any]:
+        """Zeroed moments (stored in the states' dtype; an fp32 parameter's in fp32), as torch
+        creates them lazily at the first step; SGD's momentum buffer stays ``None`` until the
+        first step, which fills it with the gradient (torch's rule)."""
+        w = local_tensor(p.detach())
+        dtype = torch.float32 if w.dtype == torch.float32 else self.precision.state_dtype
+        state: dict[str, Any] = {}
+        if self.rule.has_step:
+            on_device = group.get("fused") or group.get("capturable")
+            state["step"] = torch.zeros((), dtype=torch.float32, device=w.device if on_device else None)
+        for name in self.rule.moment_names(group):
+            state[name] = None if self.rule.name == "sgd" else torch.zeros_like(w, dtype=dtype)
+        return state
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Update the masters from the 16-bit gradients and store the weights back.
+
+        Under a scaler (``scaler.step(opt)``), the gradients are divided by the scale it hands
+        over, and a step it found non-finite on any rank is skipped here, with no write: the
+        agreed flag is read on the host (free on the CPU; one sync on an accelerator, as for
+        every non-fused optimizer). ``master="sharded"``: one all-gather per weight dtype after
+        an applied step.
+
+        Raises:
+            RuntimeError: fp16 weights stepped without loss scaling (no scaler, or a disabled
+                one), or a ``closure``.
+        """
+        if closure is not None:
+            raise RuntimeError("MasterWeightOptimizer.step takes no closure")
+        grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
+        found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
+        if self.precision.needs_scaler and found_inf is None:
+            raise RuntimeError(
+                "fp16 weights stepped without loss scaling: their gradients underflow unseen. "
+                "Step through an enabled scaler (scaler.step(optimizer) with a "
+                "distamp.DistributedGradScaler, or DistAMP(precision='fp16')), or use bf16."
+            )
+        # Host read of the agreed flag (see docstring): a skip writes nothing at all.
+        if found_inf is not None and bool(found_inf.item()):
+            return None
+        for group in self.param_groups:
+            for chunk in self._chunks(group):
+                self._step_chunk(group, chunk, grad_scale)
+        if self.gather is not None:
+            self.gather.gather_()
+        return None
+
+    def _chunks(self, group: dict[str, Any]) -> Iterator[list[Master]]:
+        """This rank's parameters of ``group`` that have a gradient, in runs of about
+        ``chunk_elements`` elements (the bound on the step's fp32 temporaries)."""
+        chunk: list[Master] = []
+        size = 0
+        for p in group["params"]:
+            m = self.masters[p]
+            if m.kind == "remote" or p.grad is None:
+                continue
+            chunk.append(m)
+            size += m.weight.numel()
+            if size >= self.precision.chunk_elements:
+                yield chunk
+                chunk, size = [], 0
+        if chunk:
+            yield chunk
+
+    def _step_chunk(
+        self, group: dict[str, Any], chunk: list[Master], grad_scale: torch.Tensor | None
+    ) -> None:
+        masters = [m.fp32() for m in chunk]
+        grads = [local_tensor(m.param.grad).float() for m in chunk]  # type: ignore[arg-type]
+        if grad_scale is not None:  # out of place: an fp32 parameter's .grad stays as it is
+            grads = list(torch._foreach_div(grads, grad_scale.to(grads[0].device)))
+        names = self.rule.moment_names(group)
+        stored = {name: [self.state[m.param][name] for m in chunk] for name in names}
+        work: dict[str, list[Any]] = {
+            name: [t if t is None or t.dtype == torch.float32 else t.float() for t in ts]
+            for name, ts in stored.items()
+        }
+        if self.rule.has_step:
+            work["step"] = [self.state[m.param]["step"] for m in chunk]
+        self.rule.run(group, masters, grads, work)
+        for name in names:
+            for m, old, new in zip(chunk, stored[name], work[name], strict=True):
+                if old is None:  # SGD's first step created the buffer (fp32, the gradient)
+                    dtype = torch.float32 if m.kind == "fp32" else self.precision.state_dtype
+                    self.state[m.param][name] = new.to(dtype)
+                elif old is not new:
+                    old.copy_(new)
+        for m, master in zip(chunk, masters, strict=True):
+            m.store_(master, self.generator)
+
+    # ------------------------------------------------------------------ what others read
+    def master_tensors(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """``(parameter, fp32 master)`` for every parameter this rank holds the master of
+        (local shapes; new tensors except for fp32 parameters). A stochastic or Kahan run has
+        no exact master: its weight (plus compensation) is the best value there is."""
+        for p, m in self.masters.items():
+            if m.kind != "remote":
+                yield p, m.fp32()
+
+    def holds_master(self, p: nn.Parameter) -> bool:
+        """Whether this rank holds ``p``'s master (always, unless ``master="sharded"``)."""
+        return self.masters[p].kind != "remote"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "masters", None) is None:  # torch's __init__ adding the first groups
+            super().add_param_group(param_group)
+            return
+        raise RuntimeError(
+            "MasterWeightOptimizer: add parameter groups to the optimizer before wrapping it "
+            "(their masters are made when the weights are cast)"
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """torch's layout, in fp32, with each 16-bit parameter's exact master as ``"master"``:
+        it loads into this class under any weight precision, and into (or from) a plain torch
+        optimizer of the same class (which ignores ``"master"``). ``master="sharded"``: this
+        rank's parameters only (every rank saves its own; DCP joins them)."""
+        index = 0
+        packed: dict[int, dict[str, Any]] = {}
+        groups = []
+        for group in self.param_groups:
+            ids = []
+            for p in group["params"]:
+                ids.append(index)
+                m = self.masters[p]
+                if m.kind != "remote":
+                    entry = {
+                        k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                        for k, v in self.state[p].items()
+                    }
+                    if m.kind != "fp32":
+                        entry["master"] = m.fp32().clone() if m.kind == "copy" else m.fp32()
+                    packed[index] = entry
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        return {"state": packed, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        """Load :meth:`state_dict`'s layout (or a torch optimizer's of the same class). Checked
+        whole before anything changes: group count and sizes, each entry's keys and shapes.
+
+        Raises:
+            ValueError: what does not fit, named; nothing was changed.
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+        state = state_dict.get("state", {}) if isinstance(state_dict, Mapping) else None
+        if not isinstance(groups, list) or not isinstance(state, Mapping):
+            raise ValueError("load_state_dict: expected {'state': ..., 'param_groups': [...]}")
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if [len(g.get("params", ())) for g in groups] != sizes:
+            raise ValueError(
+                f"load_state_dict: the checkpoint's parameter groups hold "
+                f"{[len(g.get('params', ())) for g in groups]} parameters, this optimizer's {sizes}"
+            )
+        plan: list[tuple[nn.Parameter, str, torch.Tensor | None]] = []
+        for key, entry in state.items():
+            i = int(key)
+            if not 0 <= i < len(params) or not isinstance(entry, Mapping):
+                raise ValueError(f"load_state_dict: entry {key!r} names no parameter")
+            p = params[i]
+            if self.masters[p].kind == "remote":
+                continue
+            shape = local_tensor(p.detach()).shape
+            mine = self.state[p]
+            for name, value in entry.items():
+                if name == "master" or (name in mine and name != "step"):
+                    if value is not None and (
+                        not isinstance(value, torch.Tensor) or value.shape != shape
+                    ):
+                        got = getattr(value, "shape", type(value).__name__)
+                        raise ValueError(
+                            f"load_state_dict: parameter {i}'s {name!r} is {got}, expected "
+                            f"{tuple(shape)}"
+                        )
+                    plan.append((p, name, value))
+                elif name == "step":
+                    plan.append((p, name, torch.as_tensor(value, dtype=torch.float32)))
+        for group, saved in zip(self.param_groups, groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        with torch.no_grad():
+            for p, name, value in plan:
+                if name == "master":
+                    assert value is not None
+                    self.masters[p].load_(value.to(torch.float32))
+                    continue
+                old = self.state[p].get(name)
+                if value is None or old is None:
+                    dtype = torch.float32 if self.masters[p].kind == "fp32" else None
+                    self.state[p][name] = (
+                        value
+                        if value is None
+                        else value.to(dtype or self.precision.state_dtype).clone()
+                    )
+                else:
+                    old.copy_(value)
+
+
+def _world(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1

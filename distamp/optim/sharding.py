@@ -1,0 +1,79 @@
+"""Which rank holds the master and the optimizer state of which parameter (``master="sharded"``),
+and the gather that hands every rank the updated 16-bit weights.
+
+ZeRO stage 1, as torch's :class:`~torch.distributed.optim.ZeroRedundancyOptimizer` partitions:
+whole parameters, assigned greedily to the least-loaded rank in parameter order, so every rank
+computes the same assignment without a word exchanged. ZeroRedundancyOptimizer itself steps the
+model's own parameters and broadcasts them one by one; here the stepped values are fp32 masters
+that only their owner holds, and what travels is the 16-bit weight (half the bytes of an fp32
+broadcast), in ONE all-gather per weight dtype per step, its count fixed by the model alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["WeightGather", "assign_owners"]
+
+
+def assign_owners(sizes: Sequence[int], world: int) -> list[int]:
+    """The owning rank of each parameter (``sizes``: element counts, in parameter order)."""
+    loads = [0] * world
+    owners = []
+    for size in sizes:
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        loads[rank] += size
+        owners.append(rank)
+    return owners
+
+
+class WeightGather:
+    """After a step, every rank's 16-bit weights are its owners' (one all-gather per dtype).
+
+    Args:
+        params: every parameter the optimizer holds, in order (local tensors).
+        owners: their owning ranks (:func:`assign_owners`).
+        group: the data-parallel group the masters are sharded over (``None``: the default).
+    """
+
+    def __init__(
+        self, params: Sequence[torch.Tensor], owners: Sequence[int], group: Any = None
+    ) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+        for owner, p in zip(owners, params, strict=True):
+            by_dtype.setdefault(p.dtype, []).append((owner, p))
+        # Sorted by name: the same order of collectives on every rank.
+        self.plan = [by_dtype[d] for d in sorted(by_dtype, key=str)]
+
+    def gather_(self) -> None:
+        """Collective: each owner's weights reach every rank, bit for bit (sent as raw bytes)."""
+        for entries in self.plan:
+            per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
+            for owner, p in entries:
+                per_rank[owner].append(p)
+            sizes = [sum(t.numel() for t in ts) for ts in per_rank]
+            width = max(max(sizes), 1)
+            dtype, device = entries[0][1].dtype, entries[0][1].device
+            raw = torch.int16 if dtype.itemsize == 2 else torch.int32
+            mine = torch.zeros(width, dtype=raw, device=device)
+            rank = dist.get_rank(self.group)
+            if per_rank[rank]:
+                flat = torch.cat([t.detach().reshape(-1).view(raw) for t in per_rank[rank]])
+                mine[: flat.numel()].copy_(flat)
+            out = [torch.empty_like(mine) for _ in range(self.world)]
+            dist.all_gather(out, mine, group=self.group)
+            for r, ts in enumerate(per_rank):
+                if r == rank:
+                    continue
+                offset = 0
+                for t in ts:
+                    n = t.numel()
+                    with torch.no_grad():
+                        t.view(-1).view(raw).copy_(out[r][offset : offset + n])
+                    offset += n
