@@ -30,6 +30,7 @@ from distamp.engine.guards import ConsecutiveSkipsError, SpikeGuard
 from distamp.observe.metrics import StepResult, WindowStats
 from distamp.observe.telemetry import Telemetry
 from distamp.observe.writers import ProgressPrinter, make_writer
+from distamp.optim import MasterWeightOptimizer, WeightPrecision, master_weights
 from distamp.parallel.recompute import AC_MODES, apply_activation_checkpointing, compile_blocks
 from distamp.parallel.strategies import COMM_HOOKS, STRATEGIES
 from distamp.precision.adaptive import AdaptiveRules, PrecisionChange
@@ -54,6 +55,10 @@ __all__ = [
     "COMM_HOOKS",
     "FP8_RECIPES",
     "STRATEGIES",
+    # the memory half: 16-bit weights with an exact master, 16-bit or sharded optimizer state
+    "MasterWeightOptimizer",
+    "WeightPrecision",
+    "master_weights",
     # the memory recipe: activation checkpointing and torch.compile per block
     "apply_activation_checkpointing",
     "compile_blocks",

@@ -203,6 +203,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("observe",),
     ("scaler",),
     ("precision",),
+    ("optim",),
     ("parallel",),
     ("engine",),
     ("integrations", "deploy", "env_report"),  # env_report: what `distamp env` asks them all

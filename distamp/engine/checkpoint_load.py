@@ -30,6 +30,7 @@ from distamp.engine.checkpoint_layout import (
     state_dict_options,
     unreadable,
 )
+from distamp.engine.checkpoint_masters import apply_masters_, masters_for_load
 from distamp.engine.integrity import LISTING, read_listing, verify_files
 from distamp.engine.rng import check_rng, restore_rng
 
@@ -185,6 +186,7 @@ def apply_checkpoint(
 
     path = read.path
     msd, osd = get_state_dict(model, optimizer, options=state_dict_options())
+    left_out = masters_for_load(model, optimizer, msd, osd)  # fp32 masters read as such
     state: dict[str, Any] = {"model": msd, "optim": osd}
     try:
         with single_process_quiet():
@@ -196,10 +198,11 @@ def apply_checkpoint(
     set_state_dict(
         model,
         optimizer,
-        model_state_dict=state["model"],
+        model_state_dict={**state["model"], **left_out},
         optim_state_dict=state["optim"],
         options=state_dict_options(),
     )
+    apply_masters_(model, optimizer, state["model"])
     if read.rng is not None:
         restore_rng(read.rng)
     else:

@@ -33,6 +33,7 @@ from distamp.engine.checkpoint_layout import (
     single_process_quiet,
     state_dict_options,
 )
+from distamp.engine.checkpoint_masters import masters_for_save
 from distamp.engine.integrity import file_digest, listed_files, share, write_listing
 from distamp.engine.rng import capture_rng
 
@@ -107,6 +108,7 @@ def save_checkpoint(
     # A rank that cannot create it may not share the filesystem: every rank must reach DIR.
     _agree_on_save(error, tmp, "could not create the checkpoint directory on every rank")
     msd, osd = get_state_dict(model, optimizer, options=state_dict_options())
+    masters_for_save(model, optimizer, msd, osd)  # 16-bit weights: their fp32 masters instead
     try:
         with single_process_quiet():  # DCP fsyncs the files it writes
             dcp_save(

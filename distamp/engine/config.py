@@ -40,7 +40,9 @@ import torch
 from distamp.agreement.replicas import is_ft_manager
 from distamp.arguments import INT32_MAX, ArgumentTypeError, as_integer, as_real
 from distamp.engine.guards import SpikeGuard, check_guards
+from distamp.engine.weights import check_weights
 from distamp.observe.telemetry import Telemetry
+from distamp.optim import WeightPrecision
 from distamp.parallel.ddp import ddp_options
 from distamp.parallel.strategies import COMM_HOOKS, SHARDED, STRATEGIES
 from distamp.precision.policy import AutocastPolicy, Precision, PrecisionLike, parse_precision
@@ -91,6 +93,7 @@ class AMPConfig:
     telemetry: Telemetry | None = None
     spike_guard: SpikeGuard | None = None
     max_consecutive_skips: int | None = 100
+    weights: WeightPrecision | None = None
 
     def __post_init__(self) -> None:
         for flag in ("trust_ddp_sync", "trace_nonfinite"):
@@ -131,6 +134,15 @@ class AMPConfig:
                 "DDP's ('fp8' and 'fp8-ef' also FSDP2's); use strategy='ddp' (or 'auto') or "
                 "comm_hook=None"
             )
+        weights = check_weights(
+            self.weights,
+            self.precision,
+            strategy=self.strategy,
+            comm_hook=self.comm_hook,
+            mesh=self.mesh,
+            ft_manager=self.ft_manager,
+        )
+        object.__setattr__(self, "weights", weights)
         n = _integer("grad_accum_steps", self.grad_accum_steps)
         if not 1 <= n <= INT32_MAX:
             raise ValueError(f"grad_accum_steps={n!r} must be an int in [1, {INT32_MAX}]")

@@ -37,6 +37,7 @@ from distamp.engine.lifecycle import join_group, leave_group
 from distamp.engine.loop import RunLoop
 from distamp.engine.persistence import EnginePersistence
 from distamp.engine.setup_checks import OptimizerArg, SchedulerArg, check_setup, checked_scheduler
+from distamp.engine.weights import cast_weights, master_optimizer
 from distamp.engine.wrapping import (
     connect_scaler,
     fit_optimizer,
@@ -48,6 +49,7 @@ from distamp.observe.diagnostics import NonFiniteTracer
 from distamp.observe.metrics import Metrics, StepResult
 from distamp.observe.numerics import NumericStats
 from distamp.observe.telemetry import Telemetry
+from distamp.optim import WeightPrecision
 from distamp.parallel.strategies import gradient_sync_disabled
 from distamp.parallel.unused_params import UnusedParameterCheck
 from distamp.precision.adaptive_run import AdaptiveRun
@@ -122,6 +124,13 @@ class DistAMP(EnginePersistence, RunLoop):
             count stays on the device and is read where the step reads anyway (a scheduler
             attached, the spike guard on), else every 8 steps, so the limit may be noticed up
             to 7 steps late and the step stays free of host syncs in between.
+        weights: keep the parameters and gradients themselves 16-bit, with an exact master
+            (:class:`~distamp.WeightPrecision`; or a master kind as a string: ``"exact"``,
+            ``"sharded"``, ``"stochastic"``, ``"kahan"``): 14 bytes per parameter with AdamW
+            instead of 16, down to 8; the weights are the compute dtype ("bf16", or "fp16" with
+            loss scaling); the policy's fp32 modules keep fp32 weights; strategies "none",
+            "ddp" and "fsdp2". Checkpoints hold the fp32 masters (they load into fp32 runs and
+            back). ``None`` (default): fp32 weights, cast per op by autocast.
 
     Raises:
         ValueError: a bad setting; the message names the field and echoes the value.
@@ -172,6 +181,7 @@ class DistAMP(EnginePersistence, RunLoop):
         telemetry: Telemetry | None = None,
         spike_guard: SpikeGuard | None = None,
         max_consecutive_skips: int | None = 100,
+        weights: WeightPrecision | str | None = None,
     ) -> None:
         self.config = make_config(
             precision,
@@ -193,6 +203,7 @@ class DistAMP(EnginePersistence, RunLoop):
             telemetry=telemetry,
             spike_guard=spike_guard,
             max_consecutive_skips=max_consecutive_skips,
+            weights=weights,
         )
         self.strategy, self.mp_owner, self.device = strategy, "none", torch.device("cpu")
         self.scaler = scaler if scaler is not None else DistributedGradScaler("cpu", enabled=False)
@@ -258,6 +269,12 @@ class DistAMP(EnginePersistence, RunLoop):
         check_setup(cfg, self.strategy, self.device, model, optimizer, scheduler)
         names = {id(p): n for n, p in model.named_parameters()}
         model = model.to(self.device)
+        # 16-bit weights before any wrapper sees them (DDP's buckets take the parameters' dtype)
+        low = (
+            None
+            if cfg.weights is None
+            else cast_weights(model, cfg.weights, cfg.policy, parallelised=arrival.parallelised)
+        )
         job = gather_modules(model) if stages else None  # patterns match across the stages
         self.fp8 = prepare_precision(model, cfg, arrival=arrival, device=self.device, job=job)
         wrapped = wrap_model(
@@ -266,6 +283,8 @@ class DistAMP(EnginePersistence, RunLoop):
         optimizer = fit_optimizer(
             optimizer, cfg, names=names, wrapped=wrapped, strategy=self.strategy
         )
+        if cfg.weights is not None and low is not None:  # the masters, cut to the shards
+            optimizer = master_optimizer(optimizer, cfg.weights, low, wrapped)
         scheduler = checked_scheduler(scheduler, optimizer)
         self.scaler = (
             cfg.scaler

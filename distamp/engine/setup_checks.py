@@ -102,7 +102,7 @@ def checked_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
                 f".step()), returned {type(scheduler).__name__}"
             )
     bound = getattr(scheduler, "optimizer", optimizer)
-    if bound is not optimizer:
+    if bound is not optimizer and bound is not getattr(optimizer, "inner", None):
         raise ValueError(
             f"setup(scheduler=...): this {type(scheduler).__name__} drives another optimizer "
             f"({type(bound).__name__} at {id(bound):#x}), not the one passed to setup(): its "
@@ -133,6 +133,7 @@ def engine_settings(cfg: AMPConfig, strategy: str, device: torch.device) -> dict
         "scaler": "default" if cfg.scaler is None else type(cfg.scaler).__name__,
         "spike_guard": None if cfg.spike_guard is None else repr(cfg.spike_guard),
         "max_consecutive_skips": cfg.max_consecutive_skips,
+        "weights": None if cfg.weights is None else cfg.weights.short(),
         **describe_policy(cfg.policy),
     }
     if cfg.scaler is not None:

@@ -103,7 +103,10 @@ class Master:
             w.copy_(high)
             self.low.copy_(remainder)
         elif self.kind == "copy":
-            w.copy_(master)  # the copy was stepped in place; the weight is its rounding
+            # The copy was stepped in place; the weight is its rounding, a bf16 one rounded as
+            # an exact master's is (ties away from zero), so a sharded run's weights are the
+            # exact run's bit for bit.
+            w.copy_(_rounded(master, w.dtype))
         elif self.kind == "stochastic":
             w.copy_(round_stochastic(master, generator))
         elif self.kind == "kahan":
@@ -120,11 +123,17 @@ class Master:
         elif self.kind == "copy":
             assert self.low is not None
             self.low.copy_(master)
-            w.copy_(master)
+            w.copy_(_rounded(master, w.dtype))
         elif self.kind in ("remainder", "kahan"):
             self.store_(master, None)
         elif self.kind == "stochastic":
             w.copy_(round_nearest_bf16(master))
+
+
+def _rounded(master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight of an fp32 ``master``: bf16 as :func:`split_remainder` rounds (ties away
+    from zero), other dtypes by torch's cast."""
+    return round_nearest_bf16(master) if dtype == torch.bfloat16 else master.to(dtype)
 
 
 def _make_master(
@@ -202,7 +211,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups  # shared: schedulers of either reach both
         self.inner = optimizer
         self.precision = precision
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        # One stream per device: torch draws on a device only from a generator of that device.
+        self.generators: dict[torch.device, torch.Generator] = {}
         params = [p for g in self.param_groups for p in g["params"]]
         self.gather: WeightGather | None = None
         owners = [0] * len(params)
@@ -315,7 +326,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 elif old is not new:
                     old.copy_(new)
         for m, master in zip(chunk, masters, strict=True):
-            m.store_(master, self.generator)
+            m.store_(master, self._generator(master.device) if m.kind == "stochastic" else None)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The stochastic rounding's stream on ``device`` (seeded alike on every rank)."""
+        gen = self.generators.get(device)
+        if gen is None:
+            gen = self.generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return gen
 
     # ------------------------------------------------------------------ what others read
     def master_tensors(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
@@ -383,12 +401,16 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 f"load_state_dict: the checkpoint's parameter groups hold "
                 f"{[len(g.get('params', ())) for g in groups]} parameters, this optimizer's {sizes}"
             )
+        # The saved groups' parameter keys, in order, name this optimizer's parameters in order
+        # (indices from state_dict(); parameter names from DCP's flattened layout), as torch's.
+        saved_keys = [k for g in groups for k in g["params"]]
+        by_key = dict(zip(saved_keys, params, strict=True))
         plan: list[tuple[nn.Parameter, str, torch.Tensor | None]] = []
         for key, entry in state.items():
-            i = int(key)
-            if not 0 <= i < len(params) or not isinstance(entry, Mapping):
+            if key not in by_key or not isinstance(entry, Mapping):
                 raise ValueError(f"load_state_dict: entry {key!r} names no parameter")
-            p = params[i]
+            p = by_key[key]
+            i = saved_keys.index(key)
             if self.masters[p].kind == "remote":
                 continue
             shape = local_tensor(p.detach()).shape

@@ -15,6 +15,7 @@ keeps its own state layout, which the weight precision cannot hold in 16 bits:
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -81,7 +82,7 @@ def _sgd(
     sgd(
         params,
         grads,
-        states["momentum_buffer"],
+        states.get("momentum_buffer", []),  # none without momentum (torch passes [] then)
         foreach=group.get("foreach"),
         fused=group.get("fused"),
         weight_decay=group["weight_decay"],
@@ -111,7 +112,9 @@ def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
     """
     for cls in type(optimizer).__mro__:
         if cls in SUPPORTED:
-            if type(optimizer).step is not cls.step:
+            # torch wraps ``step`` in a profiling hook on the class of the first instance built
+            # (functools.wraps), so an inherited step may be another wrapper of the same function.
+            if inspect.unwrap(type(optimizer).step) is not inspect.unwrap(cls.step):
                 break  # a subclass with an update of its own
             return SUPPORTED[cls]
     names = ", ".join(c.__name__ for c in SUPPORTED)

@@ -52,19 +52,19 @@ class WeightGather:
         self.plan = [by_dtype[d] for d in sorted(by_dtype, key=str)]
 
     def gather_(self) -> None:
-        """Collective: each owner's weights reach every rank, bit for bit (sent as raw bytes)."""
+        """Collective: each owner's weights reach every rank, bit for bit (sent as raw bytes:
+        uint8, which every backend gathers; gloo has no int16)."""
+        rank = dist.get_rank(self.group)
         for entries in self.plan:
             per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
             for owner, p in entries:
                 per_rank[owner].append(p)
-            sizes = [sum(t.numel() for t in ts) for ts in per_rank]
+            sizes = [sum(t.numel() * t.element_size() for t in ts) for ts in per_rank]
             width = max(max(sizes), 1)
-            dtype, device = entries[0][1].dtype, entries[0][1].device
-            raw = torch.int16 if dtype.itemsize == 2 else torch.int32
-            mine = torch.zeros(width, dtype=raw, device=device)
-            rank = dist.get_rank(self.group)
+            device = entries[0][1].device
+            mine = torch.zeros(width, dtype=torch.uint8, device=device)
             if per_rank[rank]:
-                flat = torch.cat([t.detach().reshape(-1).view(raw) for t in per_rank[rank]])
+                flat = torch.cat([_bytes(t.detach()) for t in per_rank[rank]])
                 mine[: flat.numel()].copy_(flat)
             out = [torch.empty_like(mine) for _ in range(self.world)]
             dist.all_gather(out, mine, group=self.group)
@@ -73,7 +73,12 @@ class WeightGather:
                     continue
                 offset = 0
                 for t in ts:
-                    n = t.numel()
+                    n = t.numel() * t.element_size()
                     with torch.no_grad():
-                        t.view(-1).view(raw).copy_(out[r][offset : offset + n])
+                        _bytes(t).copy_(out[r][offset : offset + n])
                     offset += n
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s storage as a flat uint8 view (``t`` contiguous, as parameters are)."""
+    return t.view(-1).view(torch.uint8)
