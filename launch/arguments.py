@@ -24,11 +24,13 @@ from distamp import (
     COMM_HOOKS,
     FP8_RECIPES,
     STRATEGIES,
+    WeightPrecision,
     check_settings,
     detect_environment,
     parse_precision,
 )
 from distamp.cli import int_arg, real_arg
+from distamp.optim.config import MASTERS
 from distamp.deploy import require_runnable
 from launch.model import DATA_FILE, SIZES
 
@@ -125,6 +127,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="gradient communication (ddp; fp8 and fp8-ef also fsdp2): compressed or counted",
     )
     add(
+        "--weights",
+        choices=("fp32", *MASTERS),
+        default="fp32",
+        help="fp32 weights (cast per op), or 16-bit weights and gradients (the --precision's "
+        "dtype) with this master (distamp.WeightPrecision): exact (bf16 + 16-bit remainder), "
+        "sharded (fp32 copy over the ranks), stochastic, kahan",
+    )
+    add(
+        "--states",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="the optimizer's moments with 16-bit --weights: fp32 or bf16",
+    )
+    add(
         "--activation-checkpointing",
         choices=AC_MODES,
         default="none",
@@ -208,6 +224,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if found.launcher == "single" and args.strategy not in ("auto", "none"):
             p.error(_needs_launcher(args.strategy, sys.argv[1:] if argv is None else argv))
         _check_comm_hook(p, args, world)
+        _check_weights(p, args)
         if args.compile_backend is not None and not args.compile:
             p.error(
                 f"argument --compile-backend: {args.compile_backend} is the backend of "
@@ -320,3 +337,30 @@ def _check_comm_hook(p: argparse.ArgumentParser, args: argparse.Namespace, world
         check_settings(args.precision, strategy=args.strategy, comm_hook=args.comm_hook)
     except ValueError as exc:
         p.error(f"argument --comm-hook: {exc}")
+
+
+def weights_of(args: argparse.Namespace) -> WeightPrecision | None:
+    """--weights and --states as the engine's ``weights`` (``None`` for fp32 weights)."""
+    if args.weights == "fp32":
+        return None
+    dtype = parse_precision(args.precision).compute_dtype
+    name = "fp16" if dtype == torch.float16 else "bf16"
+    return WeightPrecision(name, master=args.weights, states=args.states)
+
+
+def _check_weights(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--weights/--states against --precision and --strategy (the engine's own rule), before
+    any rank starts."""
+    if args.weights == "fp32":
+        if args.states != "fp32":
+            p.error("argument --states: the optimizer's states are 16-bit with 16-bit --weights")
+        return
+    try:
+        check_settings(
+            args.precision,
+            strategy=args.strategy,
+            comm_hook=args.comm_hook,
+            weights=weights_of(args),
+        )
+    except ValueError as exc:
+        p.error(f"argument --weights: {exc}")

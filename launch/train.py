@@ -54,7 +54,7 @@ from distamp import (
     shutdown_distributed,
 )
 from distamp.deploy import InputSpec, ModelSpec, record_model, save
-from launch.arguments import RUNS, SUMMARY_FIELDS, parse
+from launch.arguments import RUNS, SUMMARY_FIELDS, parse, weights_of
 from launch.model import GPT, SIZES, GPTConfig, ShardedText, lm_loss, load_text
 
 __all__ = ["SUMMARY_FIELDS", "StopFlag", "main", "parse", "warmup_cosine"]
@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         max_grad_norm=args.max_grad_norm or None,
         timeout=args.timeout,
         trace_nonfinite=args.trace_nonfinite,
+        weights=weights_of(args),  # --weights/--states: 16-bit weights, their master
         # Every rank's per-module numbers, kept next to metrics.jsonl: what `distamp report` draws.
         telemetry=(
             Telemetry(args.out, interval=args.telemetry_interval)
