@@ -30,8 +30,8 @@ from distamp import (
     parse_precision,
 )
 from distamp.cli import int_arg, real_arg
-from distamp.optim.config import MASTERS
 from distamp.deploy import require_runnable
+from distamp.optim.config import MASTERS
 from launch.model import DATA_FILE, SIZES
 
 __all__ = ["COMPILE_BACKENDS", "RUNS", "SUMMARY_FIELDS", "parse"]

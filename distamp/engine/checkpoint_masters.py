@@ -27,9 +27,7 @@ __all__ = ["apply_masters_", "masters_for_load", "masters_for_save"]
 _MASTER = ".master"
 
 
-def _entries(
-    model: nn.Module, optimizer: MasterWeightOptimizer
-) -> list[tuple[str, nn.Parameter]]:
+def _entries(model: nn.Module, optimizer: MasterWeightOptimizer) -> list[tuple[str, nn.Parameter]]:
     """``(state-dict key, parameter)`` of every 16-bit parameter (the wrappers' prefixes off,
     as DCP's keys have them)."""
     out = []
@@ -84,9 +82,7 @@ def masters_for_load(
     return left_out
 
 
-def apply_masters_(
-    model: nn.Module, optimizer: torch.optim.Optimizer, msd: dict[str, Any]
-) -> None:
+def apply_masters_(model: nn.Module, optimizer: torch.optim.Optimizer, msd: dict[str, Any]) -> None:
     """After the load: the read fp32 entries become the masters (and the weights their
     rounding); a sharded run gathers the weights of the masters other ranks hold."""
     if not isinstance(optimizer, MasterWeightOptimizer):
