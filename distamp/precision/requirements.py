@@ -80,5 +80,7 @@ def check_parameter_dtypes(model: nn.Module, precision: Precision, *, owner: str
     raise ValueError(
         f"{owner}: {len(found)} trainable parameters are {dtype} ({names}) with "
         f"precision={precision.name!r}: {why}. Keep the master weights in fp32 (drop "
-        f"model.half() / .to({dtype})): autocast casts them per op to the compute dtype"
+        f"model.half() / .to({dtype})): autocast casts them per op to the compute dtype; for "
+        "16-bit weights (half the memory) keep them with an exact master: "
+        "weights=distamp.WeightPrecision(...) (DistAMP) or distamp.master_weights"
     )

@@ -89,7 +89,8 @@ def parse_precision(value: PrecisionLike | Any) -> Precision:
 
     Raises:
         ValueError: the value is not a precision; the message echoes it and lists the valid ones.
-            "bf16-true"/"16-true" (parameters themselves in low precision) are refused on purpose:
+            "bf16-true"/"16-true" (parameters themselves in low precision, no master) are refused
+            on purpose, naming ``weights=WeightPrecision(...)``, which keeps an exact master:
             distamp keeps parameters in fp32 and casts per op.
     """
     if isinstance(value, Precision):
@@ -101,6 +102,15 @@ def parse_precision(value: PrecisionLike | Any) -> Precision:
         return _SPELLINGS[str(integer_or_none(value))]
     elif isinstance(value, str) and value.strip().lower() in _SPELLINGS:
         return _SPELLINGS[value.strip().lower()]
+    if isinstance(value, str) and value.strip().lower() in ("bf16-true", "16-true"):
+        dtype = "bf16" if value.strip().lower().startswith("bf16") else "fp16"
+        raise ValueError(
+            f"precision={value!r}: 16-bit weights alone drop every update smaller than their "
+            f"mantissa resolves. Keep them with an exact master instead: precision={dtype!r} "
+            f"with weights=distamp.WeightPrecision({dtype!r}) (DistAMP), or "
+            "distamp.master_weights(model, optimizer) in a loop of your own. Valid values: "
+            f"{', '.join(repr(s) for s in VALID_PRECISIONS)}."
+        )
     raise ValueError(
         f"precision={value!r} is not a training precision distamp knows. Valid values: "
         f"{', '.join(repr(s) for s in VALID_PRECISIONS)}, or torch.float32/float16/bfloat16."

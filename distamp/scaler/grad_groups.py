@@ -114,7 +114,9 @@ class GradPlan:
 
 FP16_GRADS = (
     "Attempting to unscale FP16 gradients: the parameters themselves are fp16. Keep parameters "
-    "in fp32 and let autocast cast them per op (or use precision='bf16', which needs no scaler)."
+    "in fp32 and let autocast cast them per op (or use precision='bf16', which needs no scaler); "
+    "for 16-bit weights keep an exact master: distamp.master_weights(model, optimizer), or "
+    "DistAMP(weights=distamp.WeightPrecision('fp16'))."
 )
 
 
