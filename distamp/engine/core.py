@@ -273,7 +273,13 @@ class DistAMP(EnginePersistence, RunLoop):
         low = (
             None
             if cfg.weights is None
-            else cast_weights(model, cfg.weights, cfg.policy, parallelised=arrival.parallelised)
+            else cast_weights(
+                model,
+                cfg.weights,
+                cfg.policy,
+                parallelised=arrival.parallelised,
+                optimizer=optimizer,
+            )
         )
         job = gather_modules(model) if stages else None  # patterns match across the stages
         self.fp8 = prepare_precision(model, cfg, arrival=arrival, device=self.device, job=job)

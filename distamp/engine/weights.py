@@ -19,6 +19,7 @@ from torch import nn
 
 from distamp.optim import MasterWeightOptimizer, WeightPrecision, island_parameters
 from distamp.optim.master import cast_parameters_, local_tensor
+from distamp.optim.rules import rule_for
 from distamp.precision.policy import Precision
 
 __all__ = ["WEIGHT_STRATEGIES", "cast_weights", "check_weights", "master_optimizer"]
@@ -86,16 +87,24 @@ def check_weights(
 
 
 def cast_weights(
-    model: nn.Module, weights: WeightPrecision, policy: Any, *, parallelised: bool
+    model: nn.Module,
+    weights: WeightPrecision,
+    policy: Any,
+    *,
+    parallelised: bool,
+    optimizer: Any = None,
 ) -> dict[str, torch.Tensor]:
     """Cast ``model``'s trainable fp32 parameters (not the policy's fp32 modules) to the weight
     dtype in place; return what restores each exact master, by parameter name.
 
     Raises:
-        ValueError: a model already parallelised or a pipeline stage (its parameters may be
+        ValueError: an optimizer the weight precision cannot drive, a model already
+            parallelised or a pipeline stage (its parameters may be
             sharded already, their masters gone), or 16-bit parameters (the same: cast from
             fp32).
     """
+    if isinstance(optimizer, torch.optim.Optimizer):  # refused before any weight changes
+        rule_for(optimizer)  # (a factory's optimizer is checked when it is built)
     if parallelised:
         raise ValueError(
             "weights= with a model that arrives parallelised (DDP, FSDP, DTensor parameters, "

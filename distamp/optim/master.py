@@ -156,7 +156,9 @@ def _make_master(
         return Master(p, "kahan", torch.zeros_like(w))
     if precision.master == "sharded" or w.dtype == torch.float16:
         if exact is None:
-            raise ValueError("an fp16 or sharded master needs the fp32 values cast_parameters_ kept")
+            raise ValueError(
+                "an fp16 or sharded master needs the fp32 values cast_parameters_ kept"
+            )
         if exact.dtype == torch.int16:  # a bf16 weight's remainder: the copy is the joined value
             exact = join_remainder(w, exact)
         return Master(p, "copy", exact.detach().clone())
@@ -245,7 +247,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         state: dict[str, Any] = {}
         if self.rule.has_step:
             on_device = group.get("fused") or group.get("capturable")
-            state["step"] = torch.zeros((), dtype=torch.float32, device=w.device if on_device else None)
+            state["step"] = torch.zeros(
+                (), dtype=torch.float32, device=w.device if on_device else None
+            )
         for name in self.rule.moment_names(group):
             state[name] = None if self.rule.name == "sgd" else torch.zeros_like(w, dtype=dtype)
         return state
@@ -378,7 +382,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     }
                     if m.kind != "fp32":
                         entry["master"] = m.fp32().clone() if m.kind == "copy" else m.fp32()
-                    packed[index] = entry
+                    packed[index] = {k: _shaped_like(v, p) for k, v in entry.items()}
                 index += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
         return {"state": packed, "param_groups": groups}
@@ -416,6 +420,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             shape = local_tensor(p.detach()).shape
             mine = self.state[p]
             for name, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    value = local_tensor(value)  # a sharded parameter's state: this rank's part
                 if name == "master" or (name in mine and name != "step"):
                     if value is not None and (
                         not isinstance(value, torch.Tensor) or value.shape != shape
@@ -446,6 +452,18 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     )
                 else:
                     old.copy_(value)
+
+
+def _shaped_like(value: Any, p: nn.Parameter) -> Any:
+    """A state tensor of a DTensor parameter (FSDP2, TP) as a DTensor placed like it, as
+    torch's optimizers keep theirs, so that DCP saves and reshards each rank's part; anything
+    else as it is."""
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value, mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
 def _world(group: Any) -> int:

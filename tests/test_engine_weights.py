@@ -1,0 +1,125 @@
+"""DistAMP(weights=...): 16-bit weights with their master in the engine, on 2 gloo ranks with
+the main job's medium GPT (tests/weights_scenarios.py), and the engine's refusals."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import distamp
+from distamp.cluster.spawn import run_ranks
+from tests import weights_scenarios as scenarios
+
+
+@pytest.mark.parametrize(
+    ("precision", "value", "where"),
+    [("fp16", math.inf, "backward"), ("bf16", math.nan, "after"), ("fp16", -math.inf, "after")],
+)
+def test_an_overflow_on_one_rank_skips_on_both_and_changes_no_master(
+    precision: str, value: float, where: str
+) -> None:
+    results = run_ranks(scenarios.overflow_on_one_rank, 2, precision, value, where, timeout=240)
+    dtype = "torch.float16" if precision == "fp16" else "torch.bfloat16"
+    for r in results:
+        assert r["param_dtype"] == dtype
+        assert r["grad_dtypes"] == [dtype]  # DDP all-reduced 16-bit gradients
+        assert r["stepped"] == [True, False, True]
+        assert r["skipped"] == 1
+        before, after = r["digests"][1]
+        assert before == after  # the skipped step wrote no master
+        assert r["digests"][0][0] != r["digests"][0][1]  # a taken step did
+    assert results[0]["digests"] == results[1]["digests"]
+    assert results[0]["weights"] == results[1]["weights"]
+
+
+@pytest.mark.parametrize(("strategy", "weights"), [("fsdp2", "exact"), ("ddp", "sharded")])
+def test_a_resumed_run_is_bitwise_the_uninterrupted_one(
+    tmp_path: Path, strategy: str, weights: str
+) -> None:
+    results = run_ranks(scenarios.resume, 2, str(tmp_path / "ckpt"), strategy, weights, timeout=300)
+    for r in results:
+        assert r["straight"] == r["resumed"]
+    assert results[0]["straight"][1] == results[1]["straight"][1]  # the weights agree
+
+
+def test_fsdp2_masters_load_exactly_into_an_fp32_run_on_one_rank(tmp_path: Path) -> None:
+    """Saved by 2 FSDP2 ranks with 16-bit weights, read by 1 process with fp32 weights: the
+    checkpoint's entries are the masters, bit for bit (resharded by DCP)."""
+    directory = str(tmp_path / "ckpt")
+    out = tmp_path / "masters.pt"
+    run_ranks(scenarios.full_masters, 2, directory, "exact", str(out), timeout=300)
+    masters = torch.load(out)
+    loaded = scenarios.fp32_masters_of(directory)
+    assert loaded.keys() == masters.keys()
+    for name, value in masters.items():
+        assert loaded[name].dtype == torch.float32
+        assert torch.equal(loaded[name], value), name
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"precision": "fp32", "weights": "exact"}, "go with 'bf16' or 'fp16'"),
+        ({"precision": "fp8", "weights": "exact"}, "go with 'bf16' or 'fp16'"),
+        (
+            {"precision": "bf16", "weights": distamp.WeightPrecision("fp16")},
+            "pass WeightPrecision\\('bf16'",
+        ),
+        ({"precision": "bf16", "weights": "exact", "strategy": "fsdp"}, "strategy='fsdp2'"),
+        ({"precision": "bf16", "weights": "exact", "strategy": "hsdp"}, "strategy='fsdp2'"),
+        ({"precision": "bf16", "weights": "exact", "comm_hook": "bf16"}, "drop comm_hook"),
+        ({"precision": "bf16", "weights": "fastest"}, "master='fastest'"),
+    ],
+)
+def test_settings_it_cannot_serve_are_refused_before_setup(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        distamp.DistAMP(**kwargs)
+
+
+def test_a_bad_weights_value_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="distamp.WeightPrecision"):
+        distamp.DistAMP(precision="bf16", weights=16)
+
+
+def test_an_optimizer_it_cannot_drive_is_refused_before_the_weights_change() -> None:
+    model = _model()
+    amp = distamp.DistAMP(precision="bf16", strategy="none", weights="exact")
+    with pytest.raises(ValueError, match="cannot drive RMSprop"):
+        amp.setup(model, torch.optim.RMSprop(model.parameters()))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_a_model_already_half_is_refused_naming_the_weight_precision() -> None:
+    model = _model().half()
+    amp = distamp.DistAMP(precision="fp16", strategy="none")
+    with pytest.raises(ValueError, match="WeightPrecision"):
+        amp.setup(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_bf16_true_names_the_weight_precision() -> None:
+    with pytest.raises(ValueError, match=r"weights=distamp.WeightPrecision\('bf16'\)"):
+        distamp.parse_precision("bf16-true")
+
+
+def test_the_policy_islands_keep_fp32_weights_and_a_scheduler_of_the_original_drives_it() -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    amp = distamp.DistAMP(precision="bf16", strategy="none", weights="exact", policy="default")
+    model, wrapped = amp.setup(model, opt, sched)
+    assert isinstance(wrapped, distamp.MasterWeightOptimizer)
+    assert model[0].weight.dtype == torch.bfloat16
+    assert model[1].weight.dtype == torch.float32  # LayerNorm: an fp32 module of the policy
+    for _ in range(2):
+        with amp.autocast():
+            loss = model(torch.randn(3, 4)).float().square().mean()
+        assert amp.backward_and_step(loss).stepped
+    assert wrapped.param_groups[0]["lr"] == 0.25  # the scheduler stepped twice
+    amp.close()
