@@ -84,7 +84,7 @@ def test_settings_it_cannot_serve_are_refused_before_setup(kwargs: dict, match: 
 
 
 def test_a_bad_weights_value_is_a_type_error() -> None:
-    with pytest.raises(TypeError, match="distamp.WeightPrecision"):
+    with pytest.raises(TypeError, match=r"distamp\.WeightPrecision"):
         distamp.DistAMP(precision="bf16", weights=16)
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from distamp.optim import MasterWeightOptimizer
-from distamp.optim.master import local_tensor
+from distamp.optim.master import local_tensor, shaped_like
 
 __all__ = ["apply_masters_", "masters_for_load", "masters_for_save"]
 
@@ -37,16 +37,6 @@ def _entries(model: nn.Module, optimizer: MasterWeightOptimizer) -> list[tuple[s
     return out
 
 
-def _as_entry(master: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
-    """``master`` (this rank's shard) in the entry's form: a DTensor like ``p`` if it is one."""
-    mesh = getattr(p, "device_mesh", None)
-    if mesh is None:
-        return master
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(master, mesh, p.placements, shape=p.shape, stride=p.stride())
-
-
 def masters_for_save(
     model: nn.Module, optimizer: torch.optim.Optimizer, msd: dict[str, Any], osd: dict[str, Any]
 ) -> None:
@@ -58,7 +48,7 @@ def masters_for_save(
         if not optimizer.holds_master(p):
             msd.pop(key, None)
             continue
-        msd[key] = _as_entry(optimizer.masters[p].fp32().clone(), p)
+        msd[key] = shaped_like(optimizer.masters[p].fp32().clone(), p)
     for key in [k for k in osd if k.startswith("state.") and k.endswith(_MASTER)]:
         del osd[key]
 
@@ -76,7 +66,7 @@ def masters_for_load(
         if not optimizer.holds_master(p):
             left_out[key] = msd.pop(key)
             continue
-        msd[key] = _as_entry(torch.empty_like(local_tensor(p.detach()), dtype=torch.float32), p)
+        msd[key] = shaped_like(torch.empty_like(local_tensor(p.detach()), dtype=torch.float32), p)
     for key in [k for k in osd if k.startswith("state.") and k.endswith(_MASTER)]:
         del osd[key]
     return left_out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -154,6 +154,6 @@ def _local_like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     shard = distribute_tensor(
-        full.to(local_tensor(p).device), mesh, p.placements, src_data_rank=None
+        full.to(local_tensor(p).device), mesh, cast(Any, p).placements, src_data_rank=None
     )
     return shard.to_local()

@@ -78,9 +78,7 @@ def master_weights(
         )
     keep = island_parameters(model, policy)
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    refused = [
-        n for n, p in model.named_parameters() if id(p) in held and p.dtype != torch.float32
-    ]
+    refused = [n for n, p in model.named_parameters() if id(p) in held and p.dtype != torch.float32]
     if refused:
         raise ValueError(
             f"master_weights: {len(refused)} parameters are not fp32 ({', '.join(refused[:3])}"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -28,7 +28,13 @@ from distamp.optim.config import WeightPrecision
 from distamp.optim.rules import Rule, rule_for
 from distamp.optim.sharding import WeightGather, assign_owners
 
-__all__ = ["Master", "MasterWeightOptimizer", "cast_parameters_", "local_tensor"]
+__all__ = [
+    "Master",
+    "MasterWeightOptimizer",
+    "cast_parameters_",
+    "local_tensor",
+    "shaped_like",
+]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -382,7 +388,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     }
                     if m.kind != "fp32":
                         entry["master"] = m.fp32().clone() if m.kind == "copy" else m.fp32()
-                    packed[index] = {k: _shaped_like(v, p) for k, v in entry.items()}
+                    packed[index] = {k: shaped_like(v, p) for k, v in entry.items()}
                 index += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
         return {"state": packed, "param_groups": groups}
@@ -454,7 +460,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     old.copy_(value)
 
 
-def _shaped_like(value: Any, p: nn.Parameter) -> Any:
+def shaped_like(value: Any, p: nn.Parameter) -> Any:
     """A state tensor of a DTensor parameter (FSDP2, TP) as a DTensor placed like it, as
     torch's optimizers keep theirs, so that DCP saves and reshards each rank's part; anything
     else as it is."""
@@ -463,7 +469,8 @@ def _shaped_like(value: Any, p: nn.Parameter) -> Any:
         return value
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(value, mesh, p.placements, shape=p.shape, stride=p.stride())
+    placements = cast(Any, p).placements
+    return DTensor.from_local(value, mesh, placements, shape=p.shape, stride=p.stride())
 
 
 def _world(group: Any) -> int:

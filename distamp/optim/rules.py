@@ -32,7 +32,9 @@ class Rule:
     name: str
     moments: tuple[str, ...]  # tensor states shaped like the parameter
     has_step: bool  # a per-parameter step count ("step")
-    run: Callable[[dict[str, Any], list[torch.Tensor], list[torch.Tensor], dict[str, list[Any]]], None]
+    run: Callable[
+        [dict[str, Any], list[torch.Tensor], list[torch.Tensor], dict[str, list[Any]]], None
+    ]
 
     def moment_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The moments this group keeps (Adam's ``max_exp_avg_sq`` only with ``amsgrad``; SGD's
