@@ -48,6 +48,7 @@ __all__ = [
     "in_recomputation",
     "compiled_backward_without_autocast",
     "is_pipeline_stage",
+    "mark_optimizer_stepped",
     "missing_internals",
     "scaled_mm",
     "set_float8_scale",
@@ -132,6 +133,15 @@ def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer's ``step`` takes ``grad_scale``/``found_inf`` (torch's
     ``fused=True`` optimizers): torch marks them with a private attribute."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Tell an LR scheduler built over ``optimizer`` that its step ran, when another object
+    stepped its parameters in its place (distamp.optim's master-weight optimizer, which shares
+    its parameter groups): torch's schedulers patch ``step`` to set this private flag, and warn
+    "Detected call of `lr_scheduler.step()` before `optimizer.step()`" without it (checked on
+    torch 2.11-2.13)."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
 def is_pipeline_stage(obj: Any) -> bool:

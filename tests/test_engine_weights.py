@@ -123,3 +123,35 @@ def test_the_policy_islands_keep_fp32_weights_and_a_scheduler_of_the_original_dr
         assert amp.backward_and_step(loss).stepped
     assert wrapped.param_groups[0]["lr"] == 0.25  # the scheduler stepped twice
     amp.close()
+
+
+def test_a_promoted_island_computes_from_the_exact_master() -> None:
+    """Adaptive precision's fp32 island over 16-bit weights reads each weight's master (not its
+    bf16 rounding), and the gradient still reaches the 16-bit parameter."""
+    from distamp.precision.promotion import Island
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    fp32 = (layer.weight.detach().clone(), layer.bias.detach().clone())
+    opt = distamp.master_weights(layer, torch.optim.AdamW(layer.parameters()))
+    x = torch.randn(4, 16)
+    island = Island(layer, opt.exact_weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.nn.functional.linear(x, *fp32))  # the masters, bit for bit
+    out.sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.dtype == torch.bfloat16
+    island.remove()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16
+
+
+def test_the_engine_hands_adaptive_islands_the_masters() -> None:
+    model = _model()
+    policy = distamp.AutocastPolicy("bf16", adaptive=True)
+    amp = distamp.DistAMP(precision="bf16", strategy="none", weights="exact", policy=policy)
+    _, opt = amp.setup(model, torch.optim.AdamW(model.parameters()))
+    assert amp.adaptive is not None and amp.adaptive.adaptive is not None
+    assert amp.adaptive.adaptive.exact_weights == opt.exact_weight
+    amp.close()

@@ -49,7 +49,7 @@ from distamp.observe.diagnostics import NonFiniteTracer
 from distamp.observe.metrics import Metrics, StepResult
 from distamp.observe.numerics import NumericStats
 from distamp.observe.telemetry import Telemetry
-from distamp.optim import WeightPrecision
+from distamp.optim import MasterWeightOptimizer, WeightPrecision
 from distamp.parallel.strategies import gradient_sync_disabled
 from distamp.parallel.unused_params import UnusedParameterCheck
 from distamp.precision.adaptive_run import AdaptiveRun
@@ -309,6 +309,9 @@ class DistAMP(EnginePersistence, RunLoop):
         self.adaptive = build_adaptive(
             model, cfg, scaler=self.scaler, step=self.step_count, job=job, stages=stages
         )
+        rules = None if self.adaptive is None else self.adaptive.adaptive
+        if rules is not None and isinstance(optimizer, MasterWeightOptimizer):
+            rules.exact_weights = optimizer.exact_weight  # promoted islands read the masters
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
         traffic = grad_traffic(wrapped, self.strategy, self.comm_hook_state, ft is not None)
         self.metrics = Metrics(self.device, traffic)

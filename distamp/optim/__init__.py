@@ -68,8 +68,14 @@ def master_weights(
         ValueError: an optimizer it cannot drive or that has stepped (nothing changed), or
             weights that are already 16-bit (cast them back to fp32 first: their masters are
             gone).
+        TypeError: ``precision`` is not a :class:`WeightPrecision` (nothing changed).
     """
     precision = precision if precision is not None else WeightPrecision()
+    if not isinstance(precision, WeightPrecision):
+        raise TypeError(
+            f"master_weights(precision={precision!r:.80}): pass a "
+            "distamp.WeightPrecision(dtype=..., master=..., states=...) or None"
+        )
     rule_for(optimizer)  # refuse before anything is cast
     if any(optimizer.state.values()):
         raise ValueError(

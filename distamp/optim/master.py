@@ -27,6 +27,7 @@ from distamp.optim.bits import join_remainder, round_nearest_bf16, round_stochas
 from distamp.optim.config import WeightPrecision
 from distamp.optim.rules import Rule, rule_for
 from distamp.optim.sharding import WeightGather, assign_owners
+from distamp.torch_compat import mark_optimizer_stepped
 
 __all__ = [
     "Master",
@@ -196,6 +197,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True  # the scaler hands grad_scale and found_inf to step()
+    keeps_fp32_master = True  # the scaler's unscale_ may then unscale fp16 gradients in place
 
     def __init__(
         self,
@@ -285,6 +287,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 "Step through an enabled scaler (scaler.step(optimizer) with a "
                 "distamp.DistributedGradScaler, or DistAMP(precision='fp16')), or use bf16."
             )
+        mark_optimizer_stepped(self.inner)  # a scheduler built over the inner one knows
         # Host read of the agreed flag (see docstring): a skip writes nothing at all.
         if found_inf is not None and bool(found_inf.item()):
             return None
@@ -353,6 +356,22 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         for p, m in self.masters.items():
             if m.kind != "remote":
                 yield p, m.fp32()
+
+    def exact_weight(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s exact fp32 value for a computation that wants the master rather than the
+        16-bit weight (an island adaptive precision promoted): the weight upcast plus the
+        master's difference from it, detached, so that the value is the master bit for bit
+        and the gradient reaches ``p`` as it would through ``p.float()``. ``None`` where no
+        rank-identical exact value exists here: no 16-bit weight of this optimizer's, no master
+        (stochastic), or sharded masters (another rank holds it: every rank then computes from
+        the 16-bit weight alike)."""
+        m = self.masters.get(p)  # type: ignore[call-overload]
+        if m is None or m.kind not in ("remainder", "copy", "kahan") or self.gather is not None:
+            return None
+        up = p.float()
+        with torch.no_grad():
+            diff = m.fp32() - up.detach()
+        return up + diff
 
     def holds_master(self, p: nn.Parameter) -> bool:
         """Whether this rank holds ``p``'s master (always, unless ``master="sharded"``)."""
@@ -451,10 +470,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 old = self.state[p].get(name)
                 if value is None or old is None:
                     dtype = torch.float32 if self.masters[p].kind == "fp32" else None
+                    device = local_tensor(p.detach()).device  # a CPU checkpoint's buffer too
                     self.state[p][name] = (
                         value
                         if value is None
-                        else value.to(dtype or self.precision.state_dtype).clone()
+                        else value.to(device, dtype or self.precision.state_dtype, copy=True)
                     )
                 else:
                     old.copy_(value)

@@ -36,9 +36,11 @@ from __future__ import annotations
 import math
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from distamp.arguments import INT32_MAX, ArgumentTypeError
@@ -169,6 +171,8 @@ class AdaptivePrecision:
         self._pinned: set[str] = set()  # promoted twice: never demoted again
         self._refused: set[str] = set()  # over the cap: warned once
         self._handles: dict[str, list[Island | Bf16Linear]] = {}
+        # 16-bit weights (distamp.optim): a parameter's exact fp32 master, for the islands.
+        self.exact_weights: Callable[[torch.Tensor], torch.Tensor | None] | None = None
         self._modules: dict[str, nn.Module] = {}
         self._numel: dict[str, int] = {}
         self._total = 1
@@ -374,7 +378,7 @@ class AdaptivePrecision:
             assert isinstance(module, nn.Linear)  # a torchao Float8Linear
             self._handles[change.module] = [Bf16Linear(module)]
         elif change.after == "fp32":
-            self._handles[change.module] = [Island(module)]
+            self._handles[change.module] = [Island(module, self.exact_weights)]
         else:  # a demotion: fp32 -> the low format, or a fallen-back layer bf16 -> fp8
             for h in self._handles.pop(change.module, []):
                 h.remove()

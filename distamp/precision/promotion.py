@@ -11,13 +11,14 @@ every hook (FSDP2's among them) stay, a recomputed forward computes as the first
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from typing_extensions import override
 
-from distamp.precision.regions import region_of, release_region
+from distamp.precision.regions import ExactUpcast, region_of, release_region
 
 __all__ = ["Bf16Linear", "Island", "is_float8"]
 
@@ -30,12 +31,19 @@ class Island:
     activation checkpointing carries along. The module's own hooks (FSDP2's unshard among them)
     still run around it. :meth:`remove` takes the promotion back."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(
+        self, module: nn.Module, exact: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    ) -> None:
         self.module = module
-        region_of(module).promoted = True
+        region = region_of(module)
+        region.promoted = True
+        # 16-bit weights with an exact master: the island computes from the master.
+        region.exact = None if exact is None else ExactUpcast(exact)
 
     def remove(self) -> None:
-        region_of(self.module).promoted = False
+        region = region_of(self.module)
+        region.promoted = False
+        region.exact = None
         release_region(self.module)
 
 

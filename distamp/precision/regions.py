@@ -175,6 +175,42 @@ gathers them so): ``F.linear(fp32, fp16)`` refuses mixed dtypes once autocast is
 is differentiable, so gradients still reach the parameters."""
 
 
+class ExactUpcast(Fp32Ops):
+    """:data:`_UPCAST` for a promoted module whose weights are 16-bit with an exact master
+    (:mod:`distamp.optim`): a parameter operand becomes its fp32 master, differentiably (the
+    gradient still reaches the 16-bit parameter), so the island computes from the exact weight
+    and not from its rounding; every other low-precision operand is cast to fp32.
+
+    Args:
+        exact: a parameter's exact fp32 value, or ``None`` where there is none (the operand is
+            then cast like any other); the same answer on every rank.
+    """
+
+    def __init__(self, exact: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        super().__init__(None, always=True)
+        self.exact = exact
+
+    @override
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return func(*self._fp32(args), **self._fp32(kwargs or {}))
+
+    def _fp32(self, value: Any) -> Any:
+        if isinstance(value, nn.Parameter):
+            exact = self.exact(value)
+            return to_fp32(value) if exact is None else exact
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._fp32(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._fp32(v) for k, v in value.items()}
+        return to_fp32(value)
+
+
 class _ModuleAttribute:
     """A :class:`Region` field read from and written to its module's ``distamp_<name>``."""
 
@@ -200,6 +236,8 @@ class Region:
         distamp_cast_inputs: with ``distamp_fp32``, cast low-precision floating inputs to fp32.
         distamp_promoted: an adaptive promotion: autocast off, every low-precision operand cast
             to fp32.
+        distamp_exact: with ``distamp_promoted``, an :class:`ExactUpcast` that hands the
+            module its parameters' exact masters (16-bit weights), or ``None``.
         distamp_replacement: a forward run instead of the class's (a float8 layer's bf16
             fallback), or ``None``.
         distamp_previous: an instance ``forward`` the module had (a framework's wrapper),
@@ -210,6 +248,7 @@ class Region:
     fp32 = _ModuleAttribute()
     cast_inputs = _ModuleAttribute()
     promoted = _ModuleAttribute()
+    exact = _ModuleAttribute()
     replacement = _ModuleAttribute()
 
     def __init__(self, module: nn.Module) -> None:
@@ -226,6 +265,7 @@ _DEFAULTS: dict[str, Any] = {
     "distamp_fp32": False,
     "distamp_cast_inputs": True,
     "distamp_promoted": False,
+    "distamp_exact": None,
     "distamp_replacement": None,
     "distamp_previous": None,
 }
@@ -245,7 +285,7 @@ def _region_forward(base: type[nn.Module]) -> Callable[..., Any]:
             return inner(self, *args, **kwargs)
         if self.distamp_promoted:
             args, kwargs = to_fp32(args), to_fp32(kwargs)
-            with _UPCAST:
+            with self.distamp_exact or _UPCAST:
                 return _without_autocast(kinds, inner, self, *args, **kwargs)
         if self.distamp_fp32:
             if self.distamp_cast_inputs:
