@@ -155,3 +155,54 @@ def test_the_engine_hands_adaptive_islands_the_masters() -> None:
     assert amp.adaptive is not None and amp.adaptive.adaptive is not None
     assert amp.adaptive.adaptive.exact_weights == opt.exact_weight
     amp.close()
+
+
+def test_bf16_moments_follow_a_slow_second_moment() -> None:
+    """With beta2=0.999 a second moment changes by 0.1% a step, below half a bf16 step: rounded
+    to nearest it would never decay; stochastically rounded it follows fp32 on average."""
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [
+        distamp.master_weights(
+            m, torch.optim.AdamW(m.parameters(), lr=1e-4), distamp.WeightPrecision(states=s)
+        )
+        for m, s in zip(models, ("fp32", "bf16"), strict=True)
+    ]
+    for step in range(300):
+        for m in models:
+            for p in m.parameters():
+                p.grad = torch.ones_like(p) if step == 0 else torch.zeros_like(p)
+        for o in opts:
+            o.step()
+    exact, low = (o.state[o.param_groups[0]["params"][0]]["exp_avg_sq"] for o in opts)
+    assert low.dtype == torch.bfloat16
+    ratio = (low.float().mean() / exact.mean()).item()
+    assert abs(ratio - 1) < 0.02, ratio  # rounded to nearest it stays at the first value: 1.35
+
+
+def test_a_factory_optimizer_it_cannot_drive_leaves_the_weights_fp32() -> None:
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    amp = distamp.DistAMP(precision="bf16", strategy="none", weights="exact")
+    with pytest.raises(ValueError, match="cannot drive RMSprop"):
+        amp.setup(model, lambda params: torch.optim.RMSprop(params))
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert p.dtype == torch.float32 and torch.equal(p, b)
+
+
+def test_unscale_of_fp16_weights_is_refused_and_names_the_clip_that_keeps_them_scaled() -> None:
+    model = torch.nn.Linear(8, 8)
+    opt = distamp.master_weights(
+        model, torch.optim.AdamW(model.parameters()), distamp.WeightPrecision("fp16")
+    )
+    scaler = distamp.DistributedGradScaler("cpu")
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(4, 8)).float().square().mean()
+    scaler.scale(loss).backward()
+    with pytest.raises(ValueError, match=r"scaler\.clip_grad_norm_\(optimizer, max_norm\)"):
+        scaler.unscale_(opt)
+    norm = scaler.clip_grad_norm_(opt, 1.0)  # the way that keeps them scaled
+    scaler.step(opt)
+    scaler.update()
+    assert torch.isfinite(norm) and model.weight.dtype == torch.float16

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from distamp.optim import MasterWeightOptimizer
-from distamp.optim.master import local_tensor, shaped_like
+from distamp.optim.store import local_tensor, shaped_like
 
 __all__ = ["apply_masters_", "masters_for_load", "masters_for_save"]
 

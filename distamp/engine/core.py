@@ -17,6 +17,7 @@ entry points in :mod:`distamp.engine.loop`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -290,7 +291,7 @@ class DistAMP(EnginePersistence, RunLoop):
             optimizer, cfg, names=names, wrapped=wrapped, strategy=self.strategy
         )
         if cfg.weights is not None and low is not None:  # the masters, cut to the shards
-            optimizer = master_optimizer(optimizer, cfg.weights, low, wrapped)
+            optimizer = master_optimizer(optimizer, cfg.weights, low, wrapped, self.strategy)
         scheduler = checked_scheduler(scheduler, optimizer)
         self.scaler = (
             cfg.scaler
@@ -404,11 +405,11 @@ class DistAMP(EnginePersistence, RunLoop):
             spike = self.guards.before_step(self.metrics.step_loss, norm, scaler, self.step_count)
             # 3. step, or skip on every rank alike; 4. update the scale. A spike skips the
             #    optimizer; the update still ends the scaler's iteration (not backed off unless
-            #    the gradients also overflowed), after an unscale_ that reads the flags.
+            #    the gradients also overflowed), after a measuring clip that reads the flags.
             if not spike:
                 scaler.step(opt)
-            elif norm is None:
-                scaler.unscale_(opt)
+            elif norm is None:  # the flags read without dividing 16-bit gradients in place
+                scaler.clip_grad_norm_(opt, math.inf)
             scaler.update()
             spike = spike and self.guards.confirm(scaler)  # an overflow as well: it wins
             # 5. fp8 under FSDP2: the next step's float8 weight scales, one all-reduce

@@ -15,11 +15,14 @@ from dataclasses import replace
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distamp.optim import MasterWeightOptimizer, WeightPrecision, island_parameters
-from distamp.optim.master import cast_parameters_, local_tensor
+from distamp.optim.bits import join_remainder
 from distamp.optim.rules import rule_for
+from distamp.optim.sharding import broadcast_bytes_
+from distamp.optim.store import cast_parameters_, local_tensor
 from distamp.precision.policy import Precision
 
 __all__ = ["WEIGHT_STRATEGIES", "cast_weights", "check_weights", "master_optimizer"]
@@ -80,8 +83,8 @@ def check_weights(
         what = "mesh" if mesh is not None else "ft_manager"
         raise ValueError(
             f"weights= with {what}=: a model you parallelised yourself (or torchft replicas) "
-            "keeps fp32 weights for now; use distamp.master_weights before parallelising, or "
-            "drop weights"
+            "keeps fp32 weights for now; pass the plain model with strategy='ddp' or 'fsdp2', "
+            "or drop weights"
         )
     return weights
 
@@ -108,8 +111,8 @@ def cast_weights(
     if parallelised:
         raise ValueError(
             "weights= with a model that arrives parallelised (DDP, FSDP, DTensor parameters, "
-            "pipeline stages): pass the plain fp32 model and a strategy, or use "
-            "distamp.master_weights before parallelising"
+            "pipeline stages): pass the plain fp32 model and a strategy ('ddp' or 'fsdp2'), "
+            "or, for DDP in a loop of your own, distamp.master_weights before wrapping"
         )
     keep = island_parameters(model, policy)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -129,9 +132,16 @@ def master_optimizer(
     weights: WeightPrecision,
     low: Mapping[str, torch.Tensor],
     wrapped: nn.Module,
+    strategy: str,
 ) -> MasterWeightOptimizer:
     """The optimizer over ``wrapped``'s (possibly sharded) parameters, keeping masters: each
-    parameter's exact low bits cut to its local shard (FSDP2: the DTensor's placements)."""
+    parameter's exact low bits cut to its local shard (FSDP2: the DTensor's placements);
+    under DDP rank 0's, as the weights are.
+
+    Raises:
+        ValueError: an optimizer (a factory's) the weight precision cannot drive; the weights
+            are fp32 again (unless FSDP2 sharded them).
+    """
     by_name = {}
     for name, p in wrapped.named_parameters():
         clean = name.removeprefix("module.")
@@ -142,7 +152,24 @@ def master_optimizer(
     if weights.master == "sharded" and any(hasattr(p, "device_mesh") for p in params):
         # FSDP2 shards every master with its parameter already: the exact one is the cheapest.
         weights = replace(weights, master="exact")
-    return MasterWeightOptimizer(optimizer, weights, mine)
+    if strategy == "ddp" and dist.is_initialized() and dist.get_world_size() > 1:
+        # DDP made every replica's weights rank 0's; the masters follow (ranks seeded apart)
+        broadcast_bytes_([low[n] for n in sorted(low)])
+    try:
+        return MasterWeightOptimizer(optimizer, weights, mine)
+    except ValueError:  # a factory's optimizer it cannot drive: the weights back to fp32
+        _uncast_(mine)
+        raise
+
+
+def _uncast_(low: Mapping[nn.Parameter, torch.Tensor]) -> None:
+    """Undo :func:`cast_weights` for parameters that were not sharded since (their exact fp32
+    values back from the kept low bits)."""
+    for p, bits in low.items():
+        if hasattr(p, "device_mesh"):
+            continue
+        with torch.no_grad():
+            p.data = join_remainder(p.detach(), bits) if bits.dtype == torch.int16 else bits
 
 
 def _local_like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

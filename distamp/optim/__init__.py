@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from distamp.optim.config import WeightPrecision, bytes_per_parameter
-from distamp.optim.master import Master, MasterWeightOptimizer, cast_parameters_
+from distamp.optim.master import MasterWeightOptimizer
 from distamp.optim.rules import rule_for
+from distamp.optim.store import Master, cast_parameters_
 
 __all__ = [
     "Master",
@@ -81,6 +82,14 @@ def master_weights(
         raise ValueError(
             f"{type(optimizer).__name__} has stepped already: build the weight precision "
             "before the first step"
+        )
+    sharded = [n for n, p in model.named_parameters() if hasattr(p, "device_mesh")]
+    if sharded:
+        raise ValueError(
+            f"master_weights: {len(sharded)} parameters are DTensors ({', '.join(sharded[:3])}"
+            f"{', ...' if len(sharded) > 3 else ''}): a model sharded by hand (fully_shard, "
+            "tensor parallelism) is not covered; call it on the plain model before DDP, or let "
+            "DistAMP(strategy='fsdp2', weights=...) cast and shard it"
         )
     keep = island_parameters(model, policy)
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}

@@ -1,11 +1,12 @@
 """16-bit weights with their fp32 master, stepped by torch's own update rules.
 
 :class:`MasterWeightOptimizer` wraps a torch optimizer built over the model's parameters. The
-parameters become 16-bit (:func:`cast_parameters_`: the weights the forward reads, the gradients
-backward writes, the bytes DDP all-reduces and FSDP gathers), and beside each one lies what
-restores its fp32 value (:class:`Master`): a remainder, an fp32 copy, a compensation buffer, or
-nothing. A step reconstructs the fp32 masters of a chunk of parameters, runs torch's update on
-them (:mod:`distamp.optim.rules`), and stores them back; the temporaries never exceed one chunk.
+parameters become 16-bit (:func:`~distamp.optim.store.cast_parameters_`: the weights the
+forward reads, the gradients backward writes, the bytes DDP all-reduces and FSDP gathers), and
+beside each one lies what restores its fp32 value (:class:`~distamp.optim.store.Master`): a
+remainder, an fp32 copy, a compensation buffer, or nothing. A step reconstructs the fp32
+masters of a chunk of parameters, runs torch's update on them (:mod:`distamp.optim.rules`), and
+stores them back; the temporaries never exceed one chunk.
 
 It speaks the protocol of torch's fused optimizers (``_step_supports_amp_scaling``): a scaler
 sets ``grad_scale`` (the loss scale, times the clip divisor) and the agreed ``found_inf`` before
@@ -16,162 +17,20 @@ masters and states untouched on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
-from distamp.optim.bits import join_remainder, round_nearest_bf16, round_stochastic, split_remainder
+from distamp.optim.bits import round_stochastic
 from distamp.optim.config import WeightPrecision
 from distamp.optim.rules import Rule, rule_for
 from distamp.optim.sharding import WeightGather, assign_owners
+from distamp.optim.store import Master, local_tensor, make_master, shaped_like
 from distamp.torch_compat import mark_optimizer_stepped
 
-__all__ = [
-    "Master",
-    "MasterWeightOptimizer",
-    "cast_parameters_",
-    "local_tensor",
-    "shaped_like",
-]
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: a DTensor's local shard (FSDP2, TP), else ``t`` itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
-def cast_parameters_(
-    params: Iterable[nn.Parameter], dtype: torch.dtype
-) -> dict[nn.Parameter, torch.Tensor]:
-    """Turn fp32 ``params`` into ``dtype`` in place (same ``Parameter`` objects, so optimizers
-    and modules that hold them still do) and return what restores each exact master: the int16
-    remainder for bf16, the fp32 value itself for fp16. Parameters that are not fp32 are left
-    alone and get no entry."""
-    low: dict[nn.Parameter, torch.Tensor] = {}
-    for p in params:
-        if p.dtype != torch.float32:
-            continue
-        with torch.no_grad():
-            if dtype == torch.bfloat16:
-                weight, low[p] = split_remainder(p.detach())
-            else:
-                low[p] = p.detach().clone()
-                weight = low[p].to(dtype)
-        p.data = weight
-    return low
-
-
-@dataclass
-class Master:
-    """What restores one parameter's fp32 value on this rank.
-
-    ``kind``: "fp32" (an fp32 parameter, its own master: an island of the policy), "remainder"
-    (bf16 weight + int16 remainder, exact), "copy" (an fp32 copy: fp16 weights, or sharded),
-    "stochastic" (none), "kahan" (a bf16 compensation), "remote" (another rank owns it).
-    """
-
-    param: nn.Parameter
-    kind: str
-    low: torch.Tensor | None = None
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return local_tensor(self.param.detach())
-
-    def fp32(self) -> torch.Tensor:
-        """The fp32 master: the parameter or the copy itself (updated in place), or a new
-        tensor rebuilt from the weight."""
-        w = self.weight
-        if self.kind == "fp32":
-            return w
-        if self.kind == "copy":
-            assert self.low is not None
-            return self.low
-        if self.kind == "remainder":
-            assert self.low is not None
-            return join_remainder(w, self.low)
-        if self.kind == "kahan":
-            assert self.low is not None
-            return w.float() + self.low.float()
-        return w.float()
-
-    def store_(self, master: torch.Tensor, generator: torch.Generator | None) -> None:
-        """Write the updated fp32 ``master`` back as weight (and remainder or compensation)."""
-        w = self.weight
-        if self.kind == "fp32":
-            return  # stepped in place
-        if self.kind == "remainder":
-            assert self.low is not None
-            high, remainder = split_remainder(master)
-            w.copy_(high)
-            self.low.copy_(remainder)
-        elif self.kind == "copy":
-            # The copy was stepped in place; the weight is its rounding, a bf16 one rounded as
-            # an exact master's is (ties away from zero), so a sharded run's weights are the
-            # exact run's bit for bit.
-            w.copy_(_rounded(master, w.dtype))
-        elif self.kind == "stochastic":
-            w.copy_(round_stochastic(master, generator))
-        elif self.kind == "kahan":
-            assert self.low is not None
-            high = round_nearest_bf16(master)
-            self.low.copy_(master - high.float())
-            w.copy_(high)
-
-    def load_(self, master: torch.Tensor) -> None:
-        """Take ``master`` (fp32, this rank's shape) as the exact truth."""
-        w = self.weight
-        if self.kind == "fp32":
-            w.copy_(master)
-        elif self.kind == "copy":
-            assert self.low is not None
-            self.low.copy_(master)
-            w.copy_(_rounded(master, w.dtype))
-        elif self.kind in ("remainder", "kahan"):
-            self.store_(master, None)
-        elif self.kind == "stochastic":
-            w.copy_(round_nearest_bf16(master))
-
-
-def _rounded(master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight of an fp32 ``master``: bf16 as :func:`split_remainder` rounds (ties away
-    from zero), other dtypes by torch's cast."""
-    return round_nearest_bf16(master) if dtype == torch.bfloat16 else master.to(dtype)
-
-
-def _make_master(
-    p: nn.Parameter, precision: WeightPrecision, low: torch.Tensor | None, owned: bool
-) -> Master:
-    w = local_tensor(p.detach())
-    if w.dtype == torch.float32:
-        return Master(p, "fp32" if owned else "remote")
-    if w.dtype != precision.torch_dtype:
-        raise ValueError(
-            f"a parameter of shape {tuple(p.shape)} is {w.dtype}, but the weight precision is "
-            f"{precision.dtype}: cast the model with the same precision (master_weights does)"
-        )
-    if not owned:
-        return Master(p, "remote")
-    exact = low if low is None else local_tensor(low)
-    if precision.master == "stochastic":
-        return Master(p, "stochastic")
-    if precision.master == "kahan":
-        return Master(p, "kahan", torch.zeros_like(w))
-    if precision.master == "sharded" or w.dtype == torch.float16:
-        if exact is None:
-            raise ValueError(
-                "an fp16 or sharded master needs the fp32 values cast_parameters_ kept"
-            )
-        if exact.dtype == torch.int16:  # a bf16 weight's remainder: the copy is the joined value
-            exact = join_remainder(w, exact)
-        return Master(p, "copy", exact.detach().clone())
-    if exact is None or exact.dtype != torch.int16:
-        raise ValueError("an exact bf16 master needs the remainder cast_parameters_ returned")
-    return Master(p, "remainder", exact.detach().clone())
+__all__ = ["MasterWeightOptimizer"]
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
@@ -185,8 +44,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         optimizer: an :class:`~torch.optim.AdamW`, ``Adam`` or ``SGD`` over the (already cast)
             parameters, not stepped yet.
         precision: the :class:`~distamp.optim.config.WeightPrecision`.
-        low: what :func:`cast_parameters_` returned for them (remainders or fp32 values; under
-            FSDP2 the shards matching each parameter's local shard).
+        low: what :func:`~distamp.optim.store.cast_parameters_` returned for them (remainders
+            or fp32 values; under FSDP2 cut to each parameter's local shard).
         process_group: the data-parallel ranks the masters are sharded over
             (``master="sharded"``; ``None``: the default group).
         seed: the stochastic rounding's random stream, the same on every rank.
@@ -197,7 +56,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True  # the scaler hands grad_scale and found_inf to step()
-    keeps_fp32_master = True  # the scaler's unscale_ may then unscale fp16 gradients in place
 
     def __init__(
         self,
@@ -237,7 +95,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             self.gather = WeightGather(locals_, owners, process_group)
         low = low or {}
         self.masters: dict[nn.Parameter, Master] = {
-            p: _make_master(p, precision, low.get(p), owner == rank)
+            p: make_master(p, precision, low.get(p), owner == rank)
             for p, owner in zip(params, owners, strict=True)
         }
         for group in self.param_groups:
@@ -336,6 +194,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 if old is None:  # SGD's first step created the buffer (fp32, the gradient)
                     dtype = torch.float32 if m.kind == "fp32" else self.precision.state_dtype
                     self.state[m.param][name] = new.to(dtype)
+                elif old.dtype == torch.bfloat16:
+                    # bf16 moments rounded stochastically: to nearest, an Adam second moment
+                    # whose change per step is below half a bf16 step (beta2=0.999) never decays
+                    old.copy_(round_stochastic(new, self._generator(new.device)))
                 elif old is not new:
                     old.copy_(new)
         for m, master in zip(chunk, masters, strict=True):
@@ -478,19 +340,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     )
                 else:
                     old.copy_(value)
-
-
-def shaped_like(value: Any, p: nn.Parameter) -> Any:
-    """A state tensor of a DTensor parameter (FSDP2, TP) as a DTensor placed like it, as
-    torch's optimizers keep theirs, so that DCP saves and reshards each rank's part; anything
-    else as it is."""
-    mesh = getattr(p, "device_mesh", None)
-    if mesh is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value
-    from torch.distributed.tensor import DTensor
-
-    placements = cast(Any, p).placements
-    return DTensor.from_local(value, mesh, placements, shape=p.shape, stride=p.stride())
 
 
 def _world(group: Any) -> int:

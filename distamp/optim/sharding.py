@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["WeightGather", "assign_owners"]
+__all__ = ["WeightGather", "assign_owners", "broadcast_bytes_"]
 
 
 def assign_owners(sizes: Sequence[int], world: int) -> list[int]:
@@ -77,6 +77,22 @@ class WeightGather:
                     with torch.no_grad():
                         _bytes(t).copy_(out[r][offset : offset + n])
                     offset += n
+
+
+def broadcast_bytes_(tensors: Sequence[torch.Tensor], src: int = 0, group: Any = None) -> None:
+    """Collective: ``tensors`` (contiguous, of any dtype, in the same order and shapes on every
+    rank) become ``src``'s, bit for bit, in one broadcast of their bytes. How the engine makes
+    every DDP replica's masters rank 0's, as DDP makes its weights."""
+    if not tensors:
+        return
+    flat = torch.cat([_bytes(t.detach()) for t in tensors])
+    dist.broadcast(flat, src=src, group=group)
+    offset = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        with torch.no_grad():
+            _bytes(t).copy_(flat[offset : offset + n])
+        offset += n
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,9 @@ FP16_GRADS = (
     "Attempting to unscale FP16 gradients: the parameters themselves are fp16. Keep parameters "
     "in fp32 and let autocast cast them per op (or use precision='bf16', which needs no scaler); "
     "for 16-bit weights keep an exact master: distamp.master_weights(model, optimizer), or "
-    "DistAMP(weights=distamp.WeightPrecision('fp16'))."
+    "DistAMP(weights=distamp.WeightPrecision('fp16')). With those fp16 weights, clip with "
+    "scaler.clip_grad_norm_(optimizer, max_norm) instead of unscale_: it keeps the gradients "
+    "scaled and the step divides them in fp32."
 )
 
 

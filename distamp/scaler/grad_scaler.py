@@ -206,9 +206,7 @@ class DistributedGradScaler(
             record,
             scale.device,
             None if self._check_only else reciprocal(scale),  # check-only: read, never write
-            # fp16 gradients of fp16 weights are refused, unless an fp32 master stands behind
-            # them (distamp.optim's optimizer says so): then only the gradients are 16-bit.
-            allow_fp16=bool(getattr(optimizer, "keeps_fp32_master", False)),
+            allow_fp16=False,  # divided in fp16, small gradients would flush to zero
             recorder=self._overflow,
         )
         record.stage = OptState.UNSCALED
