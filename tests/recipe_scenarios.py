@@ -183,6 +183,7 @@ def run(
     rank: int = 0,
     world: int = 1,
     policy_kwargs: dict[str, Any] | None = None,
+    weights: str | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps of the recipe; returns what a bitwise comparison needs.
 
@@ -191,6 +192,7 @@ def run(
             gradient becomes ``value`` during backward at those steps.
         poison_after: the same, written into the gradient after backward (after DDP's
             all-reduce or FSDP's reduce-scatter), before the step.
+        weights: ``DistAMP(weights=...)``: 16-bit weights with this master kind.
         spike: ``blocks.1.fc`` multiplies its input by this inside (an fp16 forward overflow
             there until the adaptive rules promote it, while it is checkpointed).
     """
@@ -209,7 +211,9 @@ def run(
     policy = AutocastPolicy(
         precision, adaptive=adaptive, backward_scales=backward_scales, **(policy_kwargs or {})
     )
-    amp = DistAMP(precision=precision, policy=policy, strategy=strategy, device="cpu")
+    amp = DistAMP(
+        precision=precision, policy=policy, strategy=strategy, device="cpu", weights=weights
+    )
     amp.setup(model, lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True))
     data = batches(size, rank, world)
     stepped, scales = [], []

@@ -82,6 +82,20 @@ def test_every_ac_mode_is_bitwise_the_run_without_it(precision: str) -> None:
         assert got == reference, f"{precision} with AC {ac!r} differs from the run without AC"
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_16_bit_weights_hold_in_every_ac_mode(precision: str) -> None:
+    """16-bit weights with an exact master under the same cells: the promoted islands compute
+    from the masters, a non-finite gradient element skips, and every AC mode is bitwise the
+    run without AC."""
+    cell = _cell(precision)
+    reference = run(precision=precision, ac="none", weights="exact", **cell)
+    assert not all(reference["stepped"]), "the injected element must skip a step"
+    assert reference["adaptive"], "the rules must decide something while checkpointed"
+    for ac in AC_MODES[1:]:
+        got = run(precision=precision, ac=ac, weights="exact", **cell)
+        assert got == reference, f"{precision} weights with AC {ac!r} differ from no AC"
+
+
 class _Graphs:
     """An ``aot_eager``-like backend that keeps every forward and backward graph it compiles."""
 
@@ -163,6 +177,19 @@ def test_compiled_recipe_is_bitwise_the_eager_run(precision: str) -> None:
         assert 1 <= compiled <= allowed, (
             f"{compiled} compilations of the blocks for {promotions} promotions (AC {ac!r})"
         )
+
+
+def test_compiled_16_bit_weights_are_bitwise_the_eager_run() -> None:
+    """16-bit weights with an exact master, blocks compiled and checkpointed: the eager run,
+    bitwise, promotions (islands reading the masters) and the skip included."""
+    cell = _cell("bf16")
+    reference = run(precision="bf16", ac="none", weights="exact", **cell)
+    assert reference["adaptive"], "the rules must promote a module inside a compiled block"
+    torch._dynamo.reset()
+    got = run(
+        precision="bf16", ac="selective", weights="exact", compile_backend="aot_eager", **cell
+    )
+    assert got == reference
 
 
 def _strategy_runs(
