@@ -253,9 +253,13 @@ def main(argv: list[str] | None = None) -> int:
             "grad_norm": stats.grad_norm if stats else None,
             "tokens_per_s": tokens * amp.world_size / wall if wall > 0 else None,
             "grad_bytes": _grad_bytes(stats),
+            "bytes_per_param": round(stats.bytes_per_param, 3)
+            if stats and stats.bytes_per_param is not None
+            else None,
             "world_size": amp.world_size,
             "size": args.size,
             "precision": str(amp.precision),
+            "weights": stats.weights if stats else None,
             "fp8_layers": len(amp.fp8.converted) if amp.fp8 is not None else 0,
             "strategy": amp.strategy,
             "activation_checkpointing": args.activation_checkpointing,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -206,3 +207,25 @@ def test_unscale_of_fp16_weights_is_refused_and_names_the_clip_that_keeps_them_s
     scaler.step(opt)
     scaler.update()
     assert torch.isfinite(norm) and model.weight.dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    ("weights", "expected"),
+    [(None, 16.0), ("exact", 14.0), (distamp.WeightPrecision(states="bf16"), 10.0)],
+)
+def test_the_window_reports_the_mode_and_the_bytes_per_parameter(
+    weights: Any, expected: float
+) -> None:
+    """What the report and the main job's summary show: the weight precision and the bytes
+    per parameter counted by storage (AdamW: weights, gradients, masters, two moments)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    amp = distamp.DistAMP(precision="bf16", strategy="none", weights=weights)
+    model, _ = amp.setup(model, torch.optim.AdamW(model.parameters()))
+    with amp.autocast():
+        loss = model(torch.randn(4, 64)).float().square().mean()
+    amp.backward_and_step(loss)
+    stats = amp.metrics.collect(scaler=amp.scaler)
+    assert stats.weights == ("fp32" if weights is None else amp.config.weights.short())
+    assert stats.bytes_per_param == pytest.approx(expected, abs=0.01)
+    amp.close()

@@ -51,6 +51,7 @@ from distamp.observe.metrics import Metrics, StepResult
 from distamp.observe.numerics import NumericStats
 from distamp.observe.telemetry import Telemetry
 from distamp.optim import MasterWeightOptimizer, WeightPrecision
+from distamp.optim.accounting import bytes_held
 from distamp.parallel.strategies import gradient_sync_disabled
 from distamp.parallel.unused_params import UnusedParameterCheck
 from distamp.precision.adaptive_run import AdaptiveRun
@@ -315,7 +316,12 @@ class DistAMP(EnginePersistence, RunLoop):
             rules.exact_weights = optimizer.exact_weight  # promoted islands read the masters
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
         traffic = grad_traffic(wrapped, self.strategy, self.comm_hook_state, ft is not None)
-        self.metrics = Metrics(self.device, traffic)
+        self.metrics = Metrics(
+            self.device,
+            traffic,
+            memory=lambda: bytes_held(wrapped.parameters(), optimizer),
+            weights="fp32" if cfg.weights is None else cfg.weights.short(),
+        )
         self.quorum = None if ft is None else QuorumSchedule(ft)
         return wrapped, optimizer
 

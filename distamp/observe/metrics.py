@@ -20,6 +20,7 @@ getters). Where the figures go (console, JSON lines, TensorBoard) is :mod:`dista
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,11 @@ class WindowStats:
         spike_skips: steps skipped by the spike guard since the start (``DistAMP(spike_guard=
             ...)``), counted apart from ``skipped_steps`` (non-finite gradients) because the
             two call for different fixes (the data or the learning rate vs the format).
+        weights: how the weights are kept (``DistAMP(weights=...)``: "bf16 weights, exact
+            master, fp32 states"; "fp32" without); ``None`` where not told.
+        bytes_per_param: the bytes this rank keeps per parameter of the model between steps
+            (weights, gradients, masters, optimizer states; counted by storage); ``None``
+            where not counted.
     """
 
     step: int
@@ -77,6 +83,8 @@ class WindowStats:
     grad_bytes: float | None = None
     grad_scale_bytes: float | None = None
     spike_skips: int = 0
+    weights: str | None = None
+    bytes_per_param: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Every field by name, as the writers take it (no host sync: all are Python values)."""
@@ -165,11 +173,22 @@ class Metrics:
         device: where the counters live (the device of the losses and of the scaler's flags).
         traffic: where this rank's gradient bytes are counted
             (:func:`distamp.agreement.traffic.grad_traffic`); ``None``: not reported.
+        memory: ``() -> (bytes, parameters)`` this rank keeps between steps, read at each
+            logging step (sizes only, no sync); ``None``: not reported.
+        weights: how the weights are kept, as :attr:`WindowStats.weights` reports it.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", traffic: Traffic | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        traffic: Traffic | None = None,
+        *,
+        memory: Callable[[], tuple[int, int]] | None = None,
+        weights: str | None = None,
+    ) -> None:
         self.device = torch.device(device)
         self._traffic = traffic
+        self._memory, self._weights = memory, weights
         self._traffic_base = (0, 0)  # payload and scale bytes at the window's start
         # fp32, not fp64: some backends (MPS) have no fp64, and window sums need no more.
         self._zero = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -313,9 +332,18 @@ class Metrics:
             grad_bytes=grad_bytes,
             grad_scale_bytes=grad_scale_bytes,
             spike_skips=self.spike_skips,
+            weights=self._weights,
+            bytes_per_param=self._bytes_per_param(),
         )
         self._reset_window()
         return stats
+
+    def _bytes_per_param(self) -> float | None:
+        """This rank's persistent bytes per parameter (``memory``'s count), or ``None``."""
+        if self._memory is None:
+            return None
+        held, params = self._memory()
+        return held / params if params else None
 
     def _window_bytes(self) -> tuple[float | None, float | None]:
         """This rank's gradient bytes per step in the closing window, payload and scales (host

@@ -81,6 +81,8 @@ def summary(run: RunData) -> dict[str, Any]:
         "ranks": len(run.telemetry) or None,
         "modules_watched": len(records[-1].headroom) if records else 0,
         "precision_changes": sum(len(r.changes) for r in records),
+        "weights": last.get("weights"),
+        "bytes_per_param": last.get("bytes_per_param"),
     }
 
 
