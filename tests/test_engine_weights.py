@@ -229,3 +229,8 @@ def test_the_window_reports_the_mode_and_the_bytes_per_parameter(
     assert stats.weights == ("fp32" if weights is None else amp.config.weights.short())
     assert stats.bytes_per_param == pytest.approx(expected, abs=0.01)
     amp.close()
+
+
+def test_ddp_replicas_start_from_rank_0s_masters() -> None:
+    first, second = run_ranks(scenarios.masters_after_setup, 2, timeout=120)
+    assert first == second

@@ -133,3 +133,15 @@ def full_masters(rank: int, world: int, directory: str, weights: str, out_file: 
     amp.close()
     if rank == 0:
         torch.save(out, out_file)
+
+
+def masters_after_setup(rank: int, world: int) -> str:
+    """Each rank builds the model from its own seed; after setup under DDP the masters are
+    rank 0's on every rank (DDP broadcast the 16-bit weights, the engine the masters)."""
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    amp = distamp.DistAMP(precision="bf16", strategy="ddp", weights="exact")
+    amp.setup(model, lambda params: torch.optim.AdamW(params))
+    digest = master_digest(amp)
+    amp.close()
+    return digest
