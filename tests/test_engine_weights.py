@@ -3,6 +3,7 @@ the main job's medium GPT (tests/weights_scenarios.py), and the engine's refusal
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -234,3 +235,36 @@ def test_the_window_reports_the_mode_and_the_bytes_per_parameter(
 def test_ddp_replicas_start_from_rank_0s_masters() -> None:
     first, second = run_ranks(scenarios.masters_after_setup, 2, timeout=120)
     assert first == second
+
+
+def test_stochastic_rounding_resumes_bitwise() -> None:
+    """The rounding's random numbers are drawn from (seed, group, chunk, step): a run resumed
+    from its state dicts rounds as the uninterrupted one did (weights and bf16 moments)."""
+    precision = distamp.WeightPrecision(master="stochastic", states="bf16", chunk_elements=100)
+
+    def build() -> tuple[torch.nn.Module, distamp.MasterWeightOptimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+        return model, distamp.master_weights(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-2), precision
+        )
+
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build()
+    train(model, opt, range(3))
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    train(model, opt, range(3, 6))
+    again, again_opt = build()
+    again.load_state_dict(saved["model"])
+    again_opt.load_state_dict(saved["opt"])
+    train(again, again_opt, range(3, 6))
+    for a, b in zip(model.parameters(), again.parameters(), strict=True):
+        assert torch.equal(a, b)

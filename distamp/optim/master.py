@@ -30,7 +30,10 @@ from distamp.optim.sharding import WeightGather, assign_owners
 from distamp.optim.store import Master, local_tensor, make_master, shaped_like
 from distamp.torch_compat import mark_optimizer_stepped
 
-__all__ = ["MasterWeightOptimizer"]
+__all__ = ["ROUNDING_STEP", "MasterWeightOptimizer"]
+
+ROUNDING_STEP = "rounding_step"
+"""The parameter-group entry counting the steps that drew stochastic rounding's numbers."""
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
@@ -149,9 +152,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         # Host read of the agreed flag (see docstring): a skip writes nothing at all.
         if found_inf is not None and bool(found_inf.item()):
             return None
-        for group in self.param_groups:
-            for chunk in self._chunks(group):
-                self._step_chunk(group, chunk, grad_scale)
+        rounds = self.precision.master == "stochastic" or self.precision.states == "bf16"
+        for g, group in enumerate(self.param_groups):
+            count = 0
+            if rounds:  # saved with the group's settings: a resumed run draws the same numbers
+                count = int(group.get(ROUNDING_STEP, 0)) + 1
+                group[ROUNDING_STEP] = count
+            for c, chunk in enumerate(self._chunks(group)):
+                self._step_chunk(group, chunk, grad_scale, (g, c, count))
         if self.gather is not None:
             self.gather.gather_()
         return None
@@ -174,7 +182,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             yield chunk
 
     def _step_chunk(
-        self, group: dict[str, Any], chunk: list[Master], grad_scale: torch.Tensor | None
+        self,
+        group: dict[str, Any],
+        chunk: list[Master],
+        grad_scale: torch.Tensor | None,
+        stream: tuple[int, int, int],
     ) -> None:
         masters = [m.fp32() for m in chunk]
         grads = [local_tensor(m.param.grad).float() for m in chunk]  # type: ignore[arg-type]
@@ -197,18 +209,23 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 elif old.dtype == torch.bfloat16:
                     # bf16 moments rounded stochastically: to nearest, an Adam second moment
                     # whose change per step is below half a bf16 step (beta2=0.999) never decays
-                    old.copy_(round_stochastic(new, self._generator(new.device)))
+                    old.copy_(round_stochastic(new, self._generator(new.device, stream)))
                 elif old is not new:
                     old.copy_(new)
         for m, master in zip(chunk, masters, strict=True):
-            m.store_(master, self._generator(master.device) if m.kind == "stochastic" else None)
+            gen = self._generator(master.device, stream) if m.kind == "stochastic" else None
+            m.store_(master, gen)
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        """The stochastic rounding's stream on ``device`` (seeded alike on every rank)."""
+    def _generator(self, device: torch.device, stream: tuple[int, int, int]) -> torch.Generator:
+        """The stochastic rounding's random stream on ``device`` for one chunk of one step:
+        seeded from ``(seed, group, chunk, step)``, so every rank draws alike and a resumed
+        run draws what the uninterrupted one drew (the step count rides in the group)."""
         gen = self.generators.get(device)
         if gen is None:
-            gen = self.generators[device] = torch.Generator(device).manual_seed(self.seed)
-        return gen
+            gen = self.generators[device] = torch.Generator(device)
+        group, chunk, step = stream
+        key = ((self.seed * 1_000_003 + step) * 1_009 + group) * 100_003 + chunk
+        return gen.manual_seed(key % (1 << 62))
 
     # ------------------------------------------------------------------ what others read
     def master_tensors(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
