@@ -18,6 +18,8 @@ through an Accelerate *public* method that it overrides and then calls:
   ``accelerator.log``'s trackers);
 - ``prepare_optimizer``: the returned optimizer reports ``step_was_skipped`` from the scaler's
   rank-agreed on-device flag, and feeds :class:`~distamp.observe.metrics.AMPMetrics`;
+- ``prepare`` (its base, :class:`~distamp.integrations.accelerate_weights.WeightsAccelerator`):
+  with ``weights=``, the model's weights cast to 16 bits and the optimizer's masters kept;
 - ``clip_grad_norm_``: one scaler call (unscale + overflow check + norm + clip, one collective,
   correct for fused optimizers) instead of unscale, then a norm of its own;
 - ``save_state`` / ``load_state``: the adaptive run's state in the checkpoint folder
@@ -46,7 +48,6 @@ ACCELERATE_VERSION = accelerate_optimizer.ACCELERATE_VERSION  # importing it che
 SUPPORTED = accelerate_optimizer.SUPPORTED
 """The Accelerate releases this adapter was verified with (see :mod:`distamp.versions`)."""
 
-from accelerate import Accelerator  # noqa: E402  (only after the version check)
 from accelerate.logging import get_logger  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
@@ -54,6 +55,7 @@ from accelerate.utils import DistributedType  # noqa: E402
 from distamp.cluster.agreement import agree_failures  # noqa: E402
 from distamp.engine.guards import SpikeGuard  # noqa: E402
 from distamp.integrations.accelerate_optimizer import DistAMPOptimizer  # noqa: E402
+from distamp.integrations.accelerate_weights import WeightsAccelerator  # noqa: E402
 from distamp.integrations.agreement import agree_plugin_settings  # noqa: E402
 from distamp.integrations.scaler_slot import check_scaler  # noqa: E402
 from distamp.integrations.step_guards import PluginGuards  # noqa: E402
@@ -83,7 +85,7 @@ def _check_policy(policy: Any, mode: str) -> None:
     check_policy_precision(policy, precision, given=f"mixed_precision={str(mode)!r}")
 
 
-class DistAMPAccelerator(Accelerator):
+class DistAMPAccelerator(WeightsAccelerator):
     """An ``accelerate.Accelerator`` whose fp16 training uses distamp's rank-consistent scaler.
 
     Use it exactly like ``Accelerator`` (same arguments, same loop: ``prepare``, ``autocast``,
@@ -99,7 +101,9 @@ class DistAMPAccelerator(Accelerator):
     (:mod:`~distamp.integrations.scaler_slot`).
 
     Args:
-        *args, **kwargs: passed to ``accelerate.Accelerator``.
+        *args, **kwargs: passed to ``accelerate.Accelerator``, but ``weights`` (a
+            :class:`~distamp.WeightPrecision`: 16-bit weights with an exact master, made by
+            ``prepare``; see :mod:`~distamp.integrations.accelerate_weights`; default ``None``).
         scaler: the scaler to use (e.g. ``DistributedGradScaler(sync_free=True)``). ``None``:
             for fp16 a :class:`~distamp.DistributedGradScaler` on the accelerator's device, with
             the arguments of a ``GradScalerKwargs`` handler if one was given; for bf16 and fp8
@@ -200,6 +204,7 @@ class DistAMPAccelerator(Accelerator):
             policy=policy,
             trust_ddp_sync=self.trust_ddp_sync,
             distributed_type=str(self.distributed_type),
+            weights=self.weights,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             **guards.settings(),
         )
@@ -376,8 +381,8 @@ class DistAMPAccelerator(Accelerator):
     def amp_metrics_dict(self) -> dict[str, float | int | None]:
         """Loss scale, skipped steps, overflow rate, unscaled grad norm and tokens/s of the window
         since the previous call (see :class:`~distamp.observe.metrics.AMPMetrics`). Collective:
-        call it on
-        every rank at the same step; count tokens with ``accelerator.amp_metrics.add_tokens``."""
+        call it on every rank at the same step; count tokens with
+        ``accelerator.amp_metrics.add_tokens``."""
         return self.amp_metrics.compute(self.scaler)
 
     # ------------------------------------------------------------------ state

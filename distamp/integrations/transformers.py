@@ -28,7 +28,10 @@ Trainer computed. Everything else follows from the Trainer's own code paths:
 - a policy's adaptive rules and backward scales run as in :class:`~distamp.DistAMP` (the
   accelerator's :class:`~distamp.precision.adaptive_run.AdaptiveRun`): each change appears in
   the training logs (``distamp/precision_bits/<module>``, ``distamp/grad_exponent/<block>``),
-  is saved in each checkpoint folder (``distamp_adaptive.pt``) and replayed on resume.
+  is saved in each checkpoint folder (``distamp_adaptive.pt``) and replayed on resume;
+- ``weights=`` (a :class:`~distamp.WeightPrecision`): 16-bit parameters and gradients, their
+  exact masters in the optimizer the Trainer builds and in each checkpoint's optimizer state
+  (see :mod:`~distamp.integrations.accelerate_weights`).
 
 What cannot be caught: gradients edited in a callback's ``on_pre_optimizer_step``. The Trainer
 calls it after clipping (or after computing the norm, which it does even without clipping), and
@@ -63,7 +66,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from distamp.engine.guards import SpikeGuard  # noqa: E402
 from distamp.integrations.accelerate import DistAMPAccelerator  # noqa: E402
+from distamp.integrations.accelerate_weights import check_weight_precision  # noqa: E402
 from distamp.observe.diagnostics import OverflowReport  # noqa: E402
+from distamp.optim import WeightPrecision  # noqa: E402
 from distamp.precision.adaptive_run import change_metrics  # noqa: E402
 from distamp.precision.policy import parse_precision  # noqa: E402
 from distamp.precision.requirements import check_policy_precision  # noqa: E402
@@ -77,7 +82,7 @@ T = TypeVar("T", bound=type)
 class DistAMPTrainerMixin:
     """What :func:`with_distamp` puts in front of a ``Trainer`` class (see the module doc).
 
-    Adds five keyword arguments to the Trainer's own, with the meaning they have in
+    Adds six keyword arguments to the Trainer's own, with the meaning they have in
     :class:`~distamp.integrations.accelerate.DistAMPAccelerator`:
 
     Args:
@@ -97,6 +102,13 @@ class DistAMPTrainerMixin:
         max_consecutive_skips: this many skipped steps in a row (overflow and spike alike)
             raise :class:`~distamp.ConsecutiveSkipsError` out of ``train()`` on every rank;
             ``None``: no limit. Default 100, as in :class:`~distamp.DistAMP`.
+        weights: a :class:`~distamp.WeightPrecision` of the dtype ``fp16=``/``bf16=`` give
+            (another, or neither, is refused when the Trainer is built): the model's parameters
+            and gradients are 16-bit, the optimizer (any AdamW, Adam or SGD the Trainer builds,
+            fused included) steps their exact fp32 masters; each checkpoint's ``optimizer.pt``
+            holds the masters and ``resume_from_checkpoint`` resumes bit for bit. The model the
+            Trainer saves (``model.safetensors``) holds the 16-bit weights. ``None``
+            (default): fp32 weights.
     """
 
     accelerator: DistAMPAccelerator
@@ -110,8 +122,10 @@ class DistAMPTrainerMixin:
         trust_ddp_sync: bool = False,
         spike_guard: SpikeGuard | None = None,
         max_consecutive_skips: int | None = 100,
+        weights: WeightPrecision | None = None,
         **kwargs: Any,
     ) -> None:
+        check_weight_precision(weights, None, given="")  # its type, before anything is built
         if scaler is not None and not isinstance(scaler, DistributedGradScaler):
             raise TypeError(
                 f"scaler={scaler!r}: pass a distamp.DistributedGradScaler (or None to get one); "
@@ -126,6 +140,7 @@ class DistAMPTrainerMixin:
             trust_ddp_sync=trust_ddp_sync,
             spike_guard=spike_guard,
             max_consecutive_skips=max_consecutive_skips,
+            weights=weights,
         )
         self._distamp_accelerator_args: dict[str, Any] | None = None
         self._distamp_resume: str | None = None
@@ -149,6 +164,7 @@ class DistAMPTrainerMixin:
         mode = args.get("mixed_precision") or "no"  # from TrainingArguments' fp16= / bf16=
         given = f"TrainingArguments(...) (mixed_precision={mode!r}: fp16=/bf16=)"
         check_policy_precision(self._distamp_options["policy"], parse_precision(mode), given=given)
+        check_weight_precision(self._distamp_options["weights"], mode, given=given)
         self.accelerator = DistAMPAccelerator(**args, **self._distamp_options)
         gather = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(gather).parameters:
@@ -252,5 +268,5 @@ class DistAMPTrainer(DistAMPTrainerMixin, Trainer):
     """A ``transformers.Trainer`` that trains through distamp (see the module doc).
 
     Same arguments as ``Trainer``, plus ``scaler``, ``policy``, ``trust_ddp_sync``,
-    ``spike_guard`` and ``max_consecutive_skips`` (see :class:`DistAMPTrainerMixin`).
+    ``spike_guard``, ``max_consecutive_skips`` and ``weights`` (see :class:`DistAMPTrainerMixin`).
     """
