@@ -746,7 +746,9 @@ def test_construction_touches_no_device() -> None:
 @pytest.mark.parametrize("precision", ["16", 16, "bf16", "fp16", "16-true", "32-true", "fp8"])
 def test_precision_values_are_lightnings(precision: Any) -> None:
     """The values Lightning's own ``MixedPrecision`` plug-ins (Fabric's and the Trainer's)
-    accept are the only ones accepted, refused with a ``ValueError`` naming the valid ones."""
+    accept are the only ones accepted, refused with a ``ValueError`` naming the valid ones;
+    the Trainer's plug-in also takes Lightning's ``"16-true"``/``"bf16-true"`` (16-bit weights,
+    kept with an exact master: ``tests/test_lightning_weights.py``)."""
     from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -756,10 +758,14 @@ def test_precision_values_are_lightnings(precision: Any) -> None:
     for theirs, ours in pairs:
         with pytest.raises(ValueError, match="Precision must be '16-mixed' or 'bf16-mixed'"):
             theirs(precision, "cpu")
+        if ours is DistAMPTrainerPrecision and precision == "16-true":
+            continue
         with pytest.raises(ValueError, match="Precision must be '16-mixed' or 'bf16-mixed'"):
             ours(precision, "cpu")
     for valid in ("16-mixed", "bf16-mixed"):
         assert DistAMPPrecision(valid, "cpu").precision == valid
+        assert DistAMPTrainerPrecision(valid, "cpu").precision == valid
+    for valid in ("16-true", "bf16-true"):
         assert DistAMPTrainerPrecision(valid, "cpu").precision == valid
 
 

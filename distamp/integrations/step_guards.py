@@ -21,6 +21,7 @@ the framework hands it:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -84,7 +85,11 @@ class PluginGuards:
         overflow flags, and its update ends the iteration as for any finite step."""
         if scaler is None:
             return
-        if not unscaled:
+        if not unscaled and hasattr(scaler, "clip_grad_norm_"):
+            # distamp's scaler reads the flags without dividing 16-bit gradients in place (fp16
+            # weights refuse unscale_), as the engine's spike path does
+            scaler.clip_grad_norm_(optimizer, math.inf)
+        elif not unscaled:
             scaler.unscale_(optimizer)
         scaler.update()
 

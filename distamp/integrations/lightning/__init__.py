@@ -12,6 +12,8 @@ detection: one module per plug-in, as Lightning keeps its own precision plug-ins
   ``ClusterEnvironment`` (Fabric and Trainer share that class) over
   :func:`distamp.detect_environment`, so Lightning sees the same rank layout as distamp for
   torchrun, SLURM and the MPI launchers.
+- :mod:`~distamp.integrations.lightning.weights`: what ``DistAMPTrainerPrecision("bf16-true")``
+  does with 16-bit weights and their exact masters (the cast, the optimizers, the checkpoints).
 - :class:`SkipAwareScheduler` (:mod:`~distamp.integrations.lightning.scheduler`): the gate that
   keeps per-step learning-rate schedulers from stepping at skipped steps.
 - :class:`DistAMPResumeCheck` (:mod:`~distamp.integrations.lightning.resume`): a callback that

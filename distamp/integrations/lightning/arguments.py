@@ -19,6 +19,7 @@ from distamp.scaler import DistributedGradScaler
 
 __all__ = [
     "LIGHTNING_PRECISIONS",
+    "WEIGHT_PRECISIONS",
     "UnscaleWhen",
     "check_plugin_args",
     "check_precision",
@@ -32,24 +33,41 @@ UnscaleWhen = Literal["auto", "before_hooks", "at_clip"]
 LIGHTNING_PRECISIONS = ("16-mixed", "bf16-mixed")
 """What Lightning's own ``MixedPrecision`` plug-ins (Fabric's and the Trainer's) accept."""
 
+WEIGHT_PRECISIONS = {"bf16-true": "bf16-mixed", "16-true": "16-mixed"}
+"""Lightning's spellings of 16-bit weights (its ``HalfPrecision``: no master), which
+:class:`~distamp.integrations.lightning.trainer.DistAMPTrainerPrecision` takes as 16-bit
+weights with an exact master, and the mixed precision each computes in."""
 
-def check_precision(owner: str, precision: Any) -> ParsedPrecision:
+
+def check_precision(owner: str, precision: Any, *, weights: bool = False) -> ParsedPrecision:
     """The precision of a Lightning plug-in, accepted as Lightning's ``MixedPrecision`` accepts
     it: ``"16-mixed"`` or ``"bf16-mixed"`` exactly, so that swapping Lightning's plug-in for
     distamp's (or back) never changes which spellings a configuration may use. Lightning's
     connector maps ``Trainer(precision=16)`` to ``"16-mixed"``; its plug-ins take only the
-    canonical names. Shared by the Fabric and the Trainer plug-ins.
+    canonical names. With ``weights`` (the Trainer plug-in) also ``"bf16-true"`` and
+    ``"16-true"``, Lightning's spellings of 16-bit weights, parsed as the mixed precision they
+    compute in. Shared by the Fabric and the Trainer plug-ins.
 
     Raises:
         ValueError: any other value, in Lightning's words, naming the valid ones.
     """
-    if not (isinstance(precision, str) and precision in LIGHTNING_PRECISIONS):
+    valid = LIGHTNING_PRECISIONS + (tuple(WEIGHT_PRECISIONS) if weights else ())
+    if not (isinstance(precision, str) and precision in valid):
+        if weights:
+            also = ", or '16-true' or 'bf16-true' for 16-bit weights with an exact master"
+        elif isinstance(precision, str) and precision in WEIGHT_PRECISIONS:
+            also = (
+                f"; {precision!r} (16-bit weights with an exact master) is taken by "
+                f"DistAMPTrainerPrecision (Trainer, DDP or one device), not by {owner} yet"
+            )
+        else:
+            also = ""
         raise ValueError(
             f"Passed `{owner}(precision={precision!r})`. Precision must be '16-mixed' or "
-            "'bf16-mixed' (for fp32 keep Lightning's default precision; for fp8 train with "
-            "distamp.DistAMP)."
+            f"'bf16-mixed'{also} (for fp32 keep Lightning's default precision; for fp8 train "
+            "with distamp.DistAMP)."
         )
-    return parse_precision(precision)
+    return parse_precision(WEIGHT_PRECISIONS.get(precision, precision))
 
 
 def check_plugin_args(
@@ -60,17 +78,22 @@ def check_plugin_args(
     policy: Any,
     unscale: Any,
     gate_schedulers: Any,
+    *,
+    weights: bool = False,
 ) -> tuple[ParsedPrecision, str, DistributedGradScaler | None]:
     """Validate a Trainer plugin's arguments (``owner`` is the plugin's class name, for the
     messages) and return ``(precision, device, scaler)``, the scaler created for fp16 when
     none was given. Shared by both plugins so that they refuse the same things alike.
+    ``weights``: the plug-in takes ``"bf16-true"``/``"16-true"`` too (see
+    :func:`check_precision`).
 
     Raises:
-        ValueError: a precision other than ``"16-mixed"``/``"bf16-mixed"``, a scaler with bf16,
-            a policy for another precision, or a bad ``unscale``/``gate_schedulers``.
+        ValueError: a precision other than ``"16-mixed"``/``"bf16-mixed"`` (and, with
+            ``weights``, ``"16-true"``/``"bf16-true"``), a scaler with bf16, a policy for
+            another precision, or a bad ``unscale``/``gate_schedulers``.
         TypeError: a scaler that is not a :class:`~distamp.DistributedGradScaler`.
     """
-    parsed = check_precision(owner, precision)
+    parsed = check_precision(owner, precision, weights=weights)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if scaler is not None and not isinstance(scaler, DistributedGradScaler):

@@ -14,7 +14,7 @@ distamp does there.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn import Module
@@ -40,6 +40,7 @@ from distamp.integrations.lightning.hooks import (  # noqa: E402
 from distamp.integrations.scaler_slot import SkipProbe, check_scaler  # noqa: E402
 from distamp.integrations.step_guards import PluginGuards  # noqa: E402
 from distamp.observe.metrics import AMPMetrics  # noqa: E402
+from distamp.optim import MasterWeightOptimizer  # noqa: E402
 from distamp.precision.adaptive_run import (  # noqa: E402
     AdaptiveRun,
     change_metrics,
@@ -49,6 +50,9 @@ from distamp.precision.adaptive_run import (  # noqa: E402
 from distamp.precision.policy import AutocastPolicy  # noqa: E402
 from distamp.precision.policy import Precision as ParsedPrecision  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
+
+if TYPE_CHECKING:
+    from distamp.integrations.lightning.weights import TrainerWeights
 
 __all__ = ["LIGHTNING_VERSION", "TrainerPrecisionBase"]
 
@@ -86,6 +90,9 @@ class TrainerPrecisionBase(Precision):
     trust_ddp_sync: bool = False  # see DistAMPTrainerPrecision
     adaptive: AdaptiveRun | None = None
     """The policy's adaptive rules and backward scales at work (``None`` without them)."""
+    weights: TrainerWeights | None = None
+    """16-bit weights with their masters (:mod:`~distamp.integrations.lightning.weights`),
+    ``None`` for fp32 weights."""
 
     def _init_distamp(
         self,
@@ -209,6 +216,7 @@ class TrainerPrecisionBase(Precision):
             trust_ddp_sync=self.trust_ddp_sync,
             unscale=self.unscale,
             gate_schedulers=self.gate_schedulers,
+            weights="fp32" if self.weights is None else self.weights.precision.short(),
             **self.guards.settings(),
         )
         if self.trust_ddp_sync and isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -322,6 +330,8 @@ class TrainerPrecisionBase(Precision):
 
     def _record_skip(self, optimizer: Optimizer, flag: torch.Tensor) -> None:
         self._skip_flags[id(optimizer)] = flag
+        if isinstance(optimizer, MasterWeightOptimizer):  # its schedulers hold the inner one
+            self._skip_flags[id(optimizer.inner)] = flag
         self._last_skip = flag
 
     def _take_norm(self) -> torch.Tensor | None:

@@ -1,6 +1,7 @@
 """What the Trainer plug-ins' hooks need to know about Lightning's objects: the optimizer inside a
-``LightningOptimizer``, the module a scaler should be registered with, whether user code reads
-gradients between backward and the step, and the scheduler configurations to gate.
+``LightningOptimizer``, the module a scaler should be registered with, the strategy a module is
+set up by, whether user code reads gradients between backward and the step, and the scheduler
+configurations to gate.
 
 Kept apart from :mod:`~distamp.integrations.lightning.base` (the hooks themselves): these read
 Lightning's objects and decide nothing about the step.
@@ -29,6 +30,7 @@ from distamp.integrations.lightning.scheduler import SkipAwareScheduler  # noqa:
 __all__ = [
     "gated_scheduler",
     "module_to_register",
+    "strategy_of",
     "unwrap_optimizer",
     "user_code_reads_gradients",
 ]
@@ -61,6 +63,17 @@ def module_to_register(model: Module) -> Module:
         if isinstance(found, pl.LightningModule):
             return found
     return model
+
+
+def strategy_of(module: Module) -> Any:
+    """The strategy of the Trainer ``module`` is attached to, ``None`` for a module outside a
+    Trainer (the strategy calls ``convert_module`` on the attached LightningModule)."""
+    if not isinstance(module, pl.LightningModule):
+        return None
+    try:
+        return module.trainer.strategy
+    except RuntimeError:  # "... is not attached to a `Trainer`"
+        return None
 
 
 def user_code_reads_gradients(model: pl.LightningModule) -> bool:

@@ -25,6 +25,11 @@ base, :class:`~distamp.integrations.lightning.base.TrainerPrecisionBase`):
   its adaptive rules and backward scales exactly as :class:`~distamp.DistAMP` does (the same
   :class:`~distamp.precision.adaptive_run.AdaptiveRun`, driven by the scaler's step), each change
   logged to the Trainer's loggers and kept in its checkpoints.
+- take Lightning's ``"bf16-true"``/``"16-true"`` (or ``weights=``) as 16-bit weights with an
+  exact fp32 master, where Lightning's ``HalfPrecision`` keeps none
+  (:mod:`~distamp.integrations.lightning.weights`): cast in ``convert_module``, the optimizers
+  wrapped in :class:`~distamp.MasterWeightOptimizer` in ``connect``, the masters in the
+  checkpoints (``DDPStrategy`` and one device).
 
 Lightning refuses ``Trainer(precision="16-mixed", strategy=ModelParallelStrategy(...))`` by
 checking the *string* flag only (``_AcceleratorConnector._validate_precision_choice`` in
@@ -38,8 +43,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from distamp.integrations.lightning import version as lightning_version
@@ -55,7 +63,9 @@ from distamp.integrations.lightning.arguments import (  # noqa: E402
     lightning_precision_name,
 )
 from distamp.integrations.lightning.base import TrainerPrecisionBase  # noqa: E402
+from distamp.integrations.lightning.weights import TrainerWeights, check_weights  # noqa: E402
 from distamp.integrations.step_guards import PluginGuards  # noqa: E402
+from distamp.optim import WeightPrecision  # noqa: E402
 from distamp.precision.policy import AutocastPolicy  # noqa: E402
 from distamp.scaler import DistributedGradScaler  # noqa: E402
 
@@ -73,9 +83,20 @@ class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
 
     Pass it instead of ``precision=`` (Lightning refuses both at once).
 
+    With ``"bf16-true"`` or ``"16-true"`` (or ``weights=``) the parameters themselves are
+    16-bit, each with an exact fp32 master, and the optimizer ``configure_optimizers`` returns
+    is stepped as a :class:`~distamp.MasterWeightOptimizer`
+    (:mod:`~distamp.integrations.lightning.weights`)::
+
+        trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp",
+                          plugins=[DistAMPTrainerPrecision("bf16-true", device="cpu")])
+
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"``, the values Lightning's ``MixedPrecision``
-            accepts (any other is refused as Lightning refuses it).
+            accepts, or ``"bf16-true"``/``"16-true"``: Lightning's spellings of 16-bit weights,
+            here with an exact master (``weights=WeightPrecision("bf16")`` or ``("fp16")``)
+            where Lightning's ``HalfPrecision`` keeps none; the forward still runs under
+            autocast (or the policy). Any other value is refused as Lightning refuses it.
         device: the device type for autocast; ``None``: ``"cuda"`` if available, else
             ``"cpu"``. Pass ``"cpu"`` for a CPU run on a machine with GPUs. Nothing is allocated
             on it before the plug-in is used (it builds on a host without that device).
@@ -106,13 +127,25 @@ class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
         max_consecutive_skips: as in :class:`~distamp.DistAMP`: this many skipped steps in a
             row (overflow and spike alike) raise :class:`~distamp.ConsecutiveSkipsError` from
             the optimizer step on every rank (``trainer.fit`` ends with it); ``None``: no limit.
+        weights: a :class:`~distamp.WeightPrecision` (its dtype the precision's): 16-bit
+            weights with the master it names, also with ``"bf16-mixed"``/``"16-mixed"``;
+            ``None``: ``WeightPrecision(dtype)`` (exact master, fp32 states) for the
+            ``"-true"`` spellings, fp32 weights for the ``"-mixed"`` ones. Under DDP or on one
+            device (``master="sharded"``: DDP only); another strategy is refused when the
+            Trainer sets the model up, before any weight is cast. bf16 weights step through a
+            check-only scaler (an inf or NaN on any rank skips the step on every rank); fp16
+            weights need loss scaling, and their gradients are never unscaled in fp16: hooks see
+            them scaled (``unscale="auto"`` is ``"at_clip"``), clipping is by norm.
 
     Raises:
-        ValueError: a precision other than ``"16-mixed"``/``"bf16-mixed"``, a scaler with bf16,
-            a policy for another precision, a bad ``unscale``/``gate_schedulers``, or a bad
-            ``max_consecutive_skips``.
+        ValueError: a precision other than ``"16-mixed"``/``"bf16-mixed"``/``"bf16-true"``/
+            ``"16-true"``, a scaler with bf16, a policy for another precision, a bad
+            ``unscale``/``gate_schedulers``, a bad ``max_consecutive_skips``, a ``weights``
+            dtype other than the precision's, or with fp16 weights a scaler that does not
+            scale, ``unscale="before_hooks"`` or a ``spike_guard``.
         TypeError: a scaler that is not a :class:`~distamp.DistributedGradScaler`, a
-            ``spike_guard`` that is no :class:`~distamp.SpikeGuard`.
+            ``spike_guard`` that is no :class:`~distamp.SpikeGuard`, ``weights`` that is no
+            :class:`~distamp.WeightPrecision`.
     """
 
     def __init__(
@@ -127,16 +160,95 @@ class DistAMPTrainerPrecision(TrainerPrecisionBase, MixedPrecision):
         trust_ddp_sync: bool = False,
         spike_guard: SpikeGuard | None = None,
         max_consecutive_skips: int | None = 100,
+        weights: WeightPrecision | None = None,
     ) -> None:
+        owner = type(self).__name__
         guards = PluginGuards(spike_guard, max_consecutive_skips)  # refused before anything
+        given = scaler
         parsed, device, scaler = check_plugin_args(
-            type(self).__name__, precision, device, scaler, policy, unscale, gate_schedulers
+            owner, precision, device, scaler, policy, unscale, gate_schedulers, weights=True
         )
+        kept = check_weights(
+            owner, precision, parsed, weights, given, unscale=unscale, spike_guard=spike_guard
+        )
+        if kept is not None and scaler is None:  # bf16 weights: the skip is agreed all the same
+            scaler = DistributedGradScaler(device=device, check_only=True)
+        if kept is not None and kept.needs_scaler and unscale == "auto":
+            unscale = "at_clip"  # fp16 gradients are never unscaled in fp16 (see weights)
         self.trust_ddp_sync = bool(trust_ddp_sync)
         # bf16 with adaptive rules gets a check-only scaler, which Lightning refuses for bf16
         lightning_scaler = scaler if parsed.needs_scaler else None
         MixedPrecision.__init__(self, lightning_precision_name(parsed), device, lightning_scaler)
+        self.precision = cast(Any, precision)  # as given: "bf16-true" for Lightning's summary
         self._init_distamp(parsed, device, scaler, policy, unscale, gate_schedulers, guards)
+        self.weights = None if kept is None else TrainerWeights(kept, owner)
+
+    @override
+    def autocast_context_manager(self) -> torch.autocast:
+        """Autocast to the compute dtype (Lightning's reads it from the ``"-mixed"`` string)."""
+        return torch.autocast(self.device, dtype=self._parsed.compute_dtype, cache_enabled=False)
+
+    @override
+    def convert_module(self, module: Module) -> Module:
+        """The base's (policy, adaptive rules), then with 16-bit weights the cast.
+
+        Why this hook: the strategy calls it on the bare LightningModule before it moves and
+        wraps it (DDP), so the cast parameters are the ones DDP buckets and
+        ``configure_optimizers`` sees. What the weights do not cover is refused first, with the
+        module unchanged (:meth:`~distamp.integrations.lightning.weights.TrainerWeights.check`).
+        """
+        if self.weights is not None:
+            self.weights.check(module, self.policy)
+        module = super().convert_module(module)
+        if self.weights is not None:
+            self.weights.cast(module, self.policy)
+        return module
+
+    @override
+    def connect(
+        self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[Module, list[Optimizer], list[Any]]:
+        """The base's (settings agreement, scaler registration, scheduler gate), then with
+        16-bit weights each optimizer wrapped in a :class:`~distamp.MasterWeightOptimizer`.
+
+        Why this hook: the strategy calls it after DDP wrapped the model (and made its weights
+        rank 0's) and after ``configure_optimizers``, and takes the optimizers it returns: the
+        Trainer steps, checkpoints and restores the wrapped ones. The weight precision is one
+        of the agreed settings, so ranks built differently fail before the masters' broadcast.
+        """
+        model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
+        if self.weights is not None:
+            optimizers = self.weights.wrap(model, optimizers)
+            rules = self.adaptive.adaptive if self.adaptive is not None else None
+            if rules is not None:  # promoted islands compute from the masters
+                rules.exact_weights = self.weights.exact_weight
+        return model, optimizers, lr_schedulers
+
+    @override
+    def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
+        """The base's; refused for fp16 weights, whose gradients stay scaled until the step."""
+        if self.weights is not None and self.weights.precision.needs_scaler:
+            raise ValueError(
+                "gradient_clip_algorithm='value' with fp16 weights: their gradients stay "
+                "scaled until the step divides them in fp32 (unscaled in fp16, small ones "
+                "would flush to zero); clip by norm (gradient_clip_algorithm='norm'), or use "
+                "precision='bf16-true'"
+            )
+        super().clip_grad_by_value(optimizer, clip_val)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """With 16-bit weights, the model's entries become their fp32 masters.
+
+        Why this hook: the Trainer calls it with the whole checkpoint (after the optimizers'
+        states, which hold each master as ``"master"``), so the checkpoint's weights are the
+        masters, as an fp32 run's would be: ``load_from_checkpoint`` into an fp32 module gives
+        them bit for bit, and a resumed run casts them again. Not called for
+        ``weights_only=True`` checkpoints, which keep the 16-bit weights.
+        """
+        super().on_save_checkpoint(checkpoint)
+        if self.weights is not None:
+            self.weights.masters_into(checkpoint)
 
     @override
     @contextmanager
