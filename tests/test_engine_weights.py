@@ -268,3 +268,19 @@ def test_stochastic_rounding_resumes_bitwise() -> None:
     train(again, again_opt, range(3, 6))
     for a, b in zip(model.parameters(), again.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_stochastic_rounding_draws_apart_for_each_tensor() -> None:
+    """Two equal parameters with equal gradients in one chunk are rounded with different
+    random numbers (one stream per chunk, consumed in turn, not reseeded per tensor)."""
+    a, b = torch.nn.Parameter(torch.randn(256)), torch.nn.Parameter(torch.zeros(256))
+    with torch.no_grad():
+        b.copy_(a)
+    model = torch.nn.ParameterList([a, b])
+    precision = distamp.WeightPrecision(master="stochastic", states="bf16")
+    opt = distamp.master_weights(model, torch.optim.SGD(model.parameters(), lr=1e-3), precision)
+    for _ in range(5):
+        g = torch.randn(256).to(torch.bfloat16)
+        a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+    assert not torch.equal(a, b)

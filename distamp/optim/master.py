@@ -32,6 +32,10 @@ from distamp.torch_compat import mark_optimizer_stepped
 
 __all__ = ["ROUNDING_STEP", "MasterWeightOptimizer"]
 
+_SLOW_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
+"""Moments whose per-step change can fall below half a bf16 step (``1 - beta2``): rounded
+stochastically when kept in bf16; the others (``exp_avg``, SGD's buffer) to nearest."""
+
 ROUNDING_STEP = "rounding_step"
 """The parameter-group entry counting the steps that drew stochastic rounding's numbers."""
 
@@ -152,10 +156,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         # Host read of the agreed flag (see docstring): a skip writes nothing at all.
         if found_inf is not None and bool(found_inf.item()):
             return None
-        rounds = self.precision.master == "stochastic" or self.precision.states == "bf16"
         for g, group in enumerate(self.param_groups):
             count = 0
-            if rounds:  # saved with the group's settings: a resumed run draws the same numbers
+            if self._rounds:  # counted in the group: a resumed run draws the same numbers
                 count = int(group.get(ROUNDING_STEP, 0)) + 1
                 group[ROUNDING_STEP] = count
             for c, chunk in enumerate(self._chunks(group)):
@@ -189,9 +192,15 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         stream: tuple[int, int, int],
     ) -> None:
         masters = [m.fp32() for m in chunk]
-        grads = [local_tensor(m.param.grad).float() for m in chunk]  # type: ignore[arg-type]
-        if grad_scale is not None:  # out of place: an fp32 parameter's .grad stays as it is
-            grads = list(torch._foreach_div(grads, grad_scale.to(grads[0].device)))
+        raw = [local_tensor(m.param.grad) for m in chunk]  # type: ignore[arg-type]
+        # fp32 copies of the 16-bit gradients, divided in place; an fp32 parameter's own
+        # gradient is copied only when it must be divided (its .grad stays as it is)
+        copy = grad_scale is not None
+        grads = [g.to(torch.float32, copy=copy or g.dtype != torch.float32) for g in raw]
+        if grad_scale is not None:
+            torch._foreach_div_(grads, grad_scale.to(grads[0].device))
+        # One stream for the chunk, seeded once: every tensor's draws follow one another.
+        draws = self._generator(masters[0].device, stream) if self._rounds else None
         names = self.rule.moment_names(group)
         stored = {name: [self.state[m.param][name] for m in chunk] for name in names}
         work: dict[str, list[Any]] = {
@@ -206,15 +215,19 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 if old is None:  # SGD's first step created the buffer (fp32, the gradient)
                     dtype = torch.float32 if m.kind == "fp32" else self.precision.state_dtype
                     self.state[m.param][name] = new.to(dtype)
-                elif old.dtype == torch.bfloat16:
-                    # bf16 moments rounded stochastically: to nearest, an Adam second moment
-                    # whose change per step is below half a bf16 step (beta2=0.999) never decays
-                    old.copy_(round_stochastic(new, self._generator(new.device, stream)))
-                elif old is not new:
+                elif old.dtype == torch.bfloat16 and name in _SLOW_MOMENTS:
+                    # rounded stochastically: to nearest, an Adam second moment whose change
+                    # per step is below half a bf16 step (beta2=0.999) would never decay
+                    old.copy_(round_stochastic(new, draws))
+                elif old is not new:  # fp32, or a bf16 first moment (1 - beta1 a step): nearest
                     old.copy_(new)
         for m, master in zip(chunk, masters, strict=True):
-            gen = self._generator(master.device, stream) if m.kind == "stochastic" else None
-            m.store_(master, gen)
+            m.store_(master, draws if m.kind == "stochastic" else None)
+
+    @property
+    def _rounds(self) -> bool:
+        """Whether a step draws random numbers (stochastic weights, or bf16 moments)."""
+        return self.precision.master == "stochastic" or self.precision.states == "bf16"
 
     def _generator(self, device: torch.device, stream: tuple[int, int, int]) -> torch.Generator:
         """The stochastic rounding's random stream on ``device`` for one chunk of one step:
