@@ -36,8 +36,9 @@ def split_remainder(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bits = master.contiguous().view(torch.int32)
     # The sign is the top bit, so adding half a step to the bit pattern rounds the magnitude.
     high = torch.bitwise_right_shift(bits + _HALF, 16)
-    remainder = (bits - torch.bitwise_left_shift(high, 16)).to(torch.int16)
-    return high.to(torch.int16).view(torch.bfloat16), remainder
+    # bits - (high << 16) has the low 16 bits of ``bits`` and lies in [-32768, 32767]: the
+    # int16 those bits read as, which the wrapping cast gives in one pass.
+    return high.to(torch.int16).view(torch.bfloat16), bits.to(torch.int16)
 
 
 def join_remainder(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
