@@ -47,8 +47,14 @@ def bytes_held(params: Iterable[torch.Tensor], optimizer: Any = None) -> tuple[i
     params = list(params)
     seen: dict[tuple[Any, int], int] = {}
     for t in persistent_tensors(params, optimizer):
-        storage = local_tensor(t).untyped_storage()
-        seen[(storage.device, storage.data_ptr())] = storage.nbytes()
+        local = local_tensor(t)
+        try:
+            storage = local.untyped_storage()
+            seen[(storage.device, storage.data_ptr())] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            # A wrapper subclass (torchao's float8 weights) has no storage of its own: its
+            # elements at its dtype's size, counted once per tensor.
+            seen[("tensor", id(local))] = local.numel() * local.element_size()
     to_come = sum(
         local_tensor(p).numel() * p.element_size()
         for p in params
