@@ -319,7 +319,10 @@ class DistAMP(EnginePersistence, RunLoop):
         self.metrics = Metrics(
             self.device,
             traffic,
-            memory=lambda: bytes_held(wrapped.parameters(), optimizer),
+            # float8 runs aside: torchao's weight wrappers are counted by no storage of theirs
+            memory=None
+            if self.fp8 is not None
+            else lambda: bytes_held(wrapped.parameters(), optimizer),
             weights="fp32" if cfg.weights is None else cfg.weights.short(),
         )
         self.quorum = None if ft is None else QuorumSchedule(ft)
