@@ -175,7 +175,7 @@ def _data(size: str, batch_size: int) -> ShardedText:
                        world_size=1, seed=0)  # fmt: skip
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -183,7 +183,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field} line (Linux only)")
 
 
-def _reset_peak() -> None:
+def reset_peak() -> None:
     """VmHWM back to the current RSS (Linux >= 4.0)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -196,17 +196,17 @@ def measure_memory(cell: dict[str, Any], loop: str) -> dict[str, Any]:
     run = build(loop, cell["precision"], cell["ac"], cell["backend"], cell["size"])
     data = _data(cell["size"], cell["batch_size"])
     batches = [data.batch(k) for k in range(1 + cell["memory_steps"])]
-    before = _status_kib("VmRSS")
+    before = status_kib("VmRSS")
     loss = run.step(batches[0])  # compile and the optimizer's state
-    _reset_peak()
+    reset_peak()
     saved = 0
     for batch in batches[1:]:
-        start = _status_kib("VmRSS")
+        start = status_kib("VmRSS")
         out = run.forward(batch)
-        saved = max(saved, _status_kib("VmRSS") - start)
+        saved = max(saved, status_kib("VmRSS") - start)
         loss = run.finish(out)
         del out
-    peak = _status_kib("VmHWM")
+    peak = status_kib("VmHWM")
     return {"peak_mb": (peak - before) / 1024, "saved_mb": saved / 1024, "loss": loss}
 
 

@@ -90,6 +90,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.recipe import reset_peak, status_kib  # noqa: E402
 from distamp import DistributedGradScaler, WeightPrecision, master_weights  # noqa: E402
 from distamp.cluster.spawn import run_ranks  # noqa: E402
 from distamp.optim import bytes_per_parameter  # noqa: E402
@@ -234,20 +235,6 @@ def count_bytes(rank: int, world: int, size: str, modes: list[str], batch_size: 
 
 
 # ----------------------------------------------------------------------------- 2. peak
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field} line (Linux only)")
-
-
-def _reset_peak() -> None:
-    """VmHWM back to the current RSS (Linux >= 4.0)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def measure_peak(rank: int, world: int, mode: str, size: str, batch_size: int) -> dict:
     """In this fresh process: ``mode``'s memory above the RSS before its loop was built (MB)."""
     warm = build(mode, "tiny", world)
@@ -256,17 +243,17 @@ def measure_peak(rank: int, world: int, mode: str, size: str, batch_size: int) -
     del warm
     gc.collect()
     batches = _batches(size, batch_size, rank, world, 3)
-    base = _status_kib("VmRSS")
+    base = status_kib("VmRSS")
     loop = build(mode, size, world)
     for batch in batches[:2]:
         loop.train_step(batch)
-    held = _status_kib("VmRSS") - base
-    _reset_peak()
+    held = status_kib("VmRSS") - base
+    reset_peak()
     loop.backward(batches[2])
-    forward_backward = _status_kib("VmHWM") - base
-    _reset_peak()
+    forward_backward = status_kib("VmHWM") - base
+    reset_peak()
     loop.step()
-    step = _status_kib("VmHWM") - base
+    step = status_kib("VmHWM") - base
     mb = {"held": held, "fwd+bwd": forward_backward, "step": step}
     return {k: v / 1024 for k, v in mb.items()} | {"peak": max(forward_backward, step) / 1024}
 
