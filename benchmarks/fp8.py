@@ -13,8 +13,9 @@ The learning rate shrinks with the width (``--lr`` at ``--lr-width``, times ``lr
 muP's rule for Adam on hidden matrices), so that every width trains: one fixed rate that suits
 width 64 stalls or diverges at 8192, and the two formats' losses would then compare nothing.
 
-On CPU, torch 2.13 runs ``torch._scaled_mm`` through a reference kernel: correct, but slower
-than the bf16 GEMM at every size, so the CPU rows measure overhead, not a speed-up. With a CUDA
+On CPU, distamp's float8 layers multiply their float8 operands in fp32 (``fp8_gemm="auto"``:
+torch's ``_scaled_mm`` is a scalar reference kernel on CPUs without AMX-FP16), slower than the
+bf16 GEMM at every size, so the CPU rows measure overhead, not a speed-up. With a CUDA
 GPU (compute capability 8.9+) the default sizes are 1024-8192 wide, both models are compiled
 with ``torch.compile`` (torchao's float8 casts need it to be fast), and the ratio falls below 1
 for the large widths.

@@ -124,13 +124,15 @@ def test_audit_lists_fp8_and_excluded_layers() -> None:
 
 
 # ------------------------------------------------------------------------------ one process
-def test_conversion_keeps_state_dict_and_runs_scaled_mm() -> None:
+@pytest.mark.parametrize(("gemm", "op"), [("scaled_mm", "aten::_scaled_mm"), ("auto", "aten::mm")])
+def test_conversion_keeps_state_dict_and_runs_scaled_mm(gemm: str, op: str) -> None:
+    """fp8_gemm="scaled_mm": every float8 product is one torch._scaled_mm; "auto" on the CPU
+    multiplies the same float8 operands in fp32 (torchao's emulation), no _scaled_mm at all."""
     _torchao()
     torch.manual_seed(0)
     reference = GPT(SMALL).state_dict()
-    amp = DistAMP(
-        precision="fp8", strategy="none", policy=_policy("fp8", fp8_exclude=["head"]), device="cpu"
-    )
+    policy = _policy("fp8", fp8_exclude=["head"], fp8_gemm=gemm)
+    amp = DistAMP(precision="fp8", strategy="none", policy=policy, device="cpu")
     torch.manual_seed(0)
     model, _ = amp.setup(GPT(SMALL), lambda p: torch.optim.AdamW(p, lr=1e-2))
     assert amp.scaler.check_only and amp.fp8 is not None
@@ -146,7 +148,9 @@ def test_conversion_keeps_state_dict_and_runs_scaled_mm() -> None:
             loss = lm_loss(model, _batch(0, 0))
         result = amp.backward_and_step(loss)
     names = [e.name for e in prof.events()]
-    assert names.count("aten::_scaled_mm") == 3 * len(layers)  # forward, grad input, grad weight
+    # forward, grad input, grad weight: 3 float8 products per layer, by the chosen op
+    assert names.count("aten::_scaled_mm") == (3 * len(layers) if gemm == "scaled_mm" else 0)
+    assert names.count(op) >= 3 * len(layers)
     assert result is not None and result.stepped and math.isfinite(loss.item())
     amp.close()
 

@@ -129,14 +129,17 @@ class Float8Training:
 
         Raises:
             ImportError: torchao missing or outside the tested range.
-            RuntimeError: a CUDA device without float8 support, or the rowwise recipe on the
-                CPU with torch < 2.12.
+            RuntimeError: the float8 GEMM (``fp8_gemm="scaled_mm"``, or "auto" on CUDA) on a
+                CUDA device without float8 support, or on the CPU with the rowwise recipe and
+                torch < 2.12; the emulation (``"emulated"``, "auto" on the CPU) runs anywhere.
             ValueError: a name pattern of ``policy`` that matches nothing in ``model``.
         """
         ao = require_torchao()
         settings = policy.fp8
         assert settings is not None, "convert() needs an fp8 policy"
-        check_device(device, settings.recipe)
+        emulated = settings.emulated(device)
+        if not emulated:
+            check_device(device, settings.recipe)
         policy.check_patterns(model)  # a misspelt pattern refused before any layer is swapped
         choices = plan_linears(model, policy)
         selected = {c.name for c in choices if c.fp8}
@@ -150,6 +153,8 @@ class Float8Training:
             if all_gather
             else ao.Float8LinearConfig.from_recipe_name(settings.recipe)
         )
+        if emulated:  # the same float8 operands and scales, multiplied in fp32
+            config = replace(config, emulate=True)
         ao.convert_to_float8_training(
             model, module_filter_fn=lambda _m, fqn: fqn in selected, config=config
         )

@@ -130,6 +130,9 @@ class AutocastPolicy:
             ``("head",)``); each must match a Linear layer when applied.
         fp8_all_gather: fp8 only: under FSDP2/HSDP, all-gather the fp8 layers' weights in
             float8 (default True; tensorwise recipe only).
+        fp8_gemm: fp8 only: how the float8 layers multiply, ``"auto"`` (default: the float8
+            GEMM on CUDA, its fp32 emulation on the CPU), ``"scaled_mm"`` or ``"emulated"``
+            (see :data:`distamp.precision.fp8_select.FP8_GEMMS`).
         adaptive: ``True`` or an :class:`~distamp.precision.adaptive.AdaptiveRules`: modules
             are promoted to fp32 when the agreed numbers say so (see
             :mod:`distamp.precision.adaptive`; driven by :class:`~distamp.DistAMP`).
@@ -157,6 +160,7 @@ class AutocastPolicy:
         fp8_min_features: int | None = None,
         fp8_exclude: Iterable[str] = (),
         fp8_all_gather: bool | None = None,
+        fp8_gemm: str | None = None,
         adaptive: bool | AdaptiveRules = False,
         backward_scales: bool | BackwardScaleRules = False,
     ) -> None:
@@ -168,6 +172,7 @@ class AutocastPolicy:
             "recipe": recipe,
             "fp8_min_features": fp8_min_features,
             "fp8_all_gather": fp8_all_gather,
+            "fp8_gemm": fp8_gemm,
         }
         self.fp8: Float8Settings | None = None
         if self.precision.float8_linears:
@@ -181,6 +186,7 @@ class AutocastPolicy:
                 fsdp_float8_all_gather=defaults.fsdp_float8_all_gather
                 if fp8_all_gather is None
                 else fp8_all_gather,
+                gemm=defaults.gemm if fp8_gemm is None else fp8_gemm,
             )
         else:
             given = [k for k, v in fp8_options.items() if v is not None]
