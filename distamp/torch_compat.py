@@ -49,6 +49,7 @@ __all__ = [
     "compiled_backward_without_autocast",
     "is_pipeline_stage",
     "mark_optimizer_stepped",
+    "checkpoint_recomputation",
     "missing_internals",
     "scaled_mm",
     "set_float8_scale",
@@ -142,6 +143,45 @@ def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     "Detected call of `lr_scheduler.step()` before `optimizer.step()`" without it (checked on
     torch 2.11-2.13)."""
     optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def checkpoint_recomputation(frame: Any) -> tuple[Any, str] | None:
+    """Where ``torch.utils.checkpoint`` keeps the callable its backward runs again, read from
+    one of its own Python frames around the first run of a checkpointed function:
+    ``(holder, attribute)``, or ``None`` when ``frame`` is not such a frame.
+
+    Non-reentrant and selective checkpointing: the ``checkpoint`` function's frame holds the
+    suspended generator ``gen`` whose ``new_frame`` (a ``_CheckpointFrame``) keeps
+    ``recompute_fn``; reentrant checkpointing: ``CheckpointFunction.forward``'s ``ctx`` keeps
+    ``run_function``. Checked on torch 2.11-2.13.
+
+    Raises:
+        RuntimeError: ``frame`` is torch's checkpoint but the callable is not where it was (a
+            torch release that moved it): the caller then cannot carry anything across.
+    """
+    code = frame.f_code
+    if code.co_filename != _CHECKPOINT_FILE:
+        return None
+    if code.co_name == "checkpoint":
+        gen = frame.f_locals.get("gen")
+        if gen is None:  # reentrant: the forward is CheckpointFunction's, further in
+            return None
+        held = getattr(getattr(gen, "gi_frame", None), "f_locals", {}).get("new_frame")
+        if held is not None and callable(getattr(held, "recompute_fn", None)):
+            return held, "recompute_fn"
+    elif code.co_name == "forward" and "run_function" in code.co_varnames:
+        ctx = frame.f_locals.get("ctx")
+        if ctx is not None and callable(getattr(ctx, "run_function", None)):
+            return ctx, "run_function"
+    else:
+        return None
+    raise RuntimeError(
+        f"torch {torch.__version__}: torch.utils.checkpoint no longer keeps the function it "
+        "recomputes where torch 2.11-2.13 did"
+    )
+
+
+_CHECKPOINT_FILE = importlib.import_module("torch.utils.checkpoint").__file__
 
 
 def is_pipeline_stage(obj: Any) -> bool:

@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
 from distamp.precision.casts import to_fp32
+from distamp.precision.checkpointed import carry_ops
 
 __all__ = [
     "AUTOCAST_LOW_OPS",
@@ -141,6 +142,9 @@ class Fp32Ops(TorchFunctionMode):
         kinds = autocast_on()
         if not kinds:
             return func(*args, **kwargs)
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1:
+            # a forward (not a recomputation): a checkpointed function recomputes inside us
+            carry_ops(self, _REGION_CODE)
         if self.cast_inputs:
             args, kwargs = to_fp32(args), to_fp32(kwargs)
         return _without_autocast(kinds, func, *args, **kwargs)
@@ -298,6 +302,10 @@ def _region_forward(base: type[nn.Module]) -> Callable[..., Any]:
             return inner(self, *args, **kwargs)
 
     return forward
+
+
+_REGION_CODE = frozenset({_region_forward(nn.Module).__code__})
+"""The code of every region's forward: recomputed, it enters the policy's ops by itself."""
 
 
 def _call_replacement(replacement: Callable[..., Any]) -> Callable[..., Any]:
