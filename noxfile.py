@@ -63,6 +63,7 @@ TORCH_TESTS = [
     "tests/test_optim.py",  # 16-bit weights: torch's functional Adam/SGD and bit casts
     "tests/test_nd_parallel.py",
     "tests/test_policy.py",
+    "tests/test_checkpointed_functions.py",  # torch's checkpoint frames, read by torch_compat
     "tests/test_torch_compat.py",
     "tests/test_versions.py",
 ]
