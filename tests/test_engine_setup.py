@@ -161,3 +161,48 @@ def test_a_second_engine_in_the_same_process_sets_up_promptly() -> None:
     # collective waited for the whole timeout.
     for took in run_ranks(_two_engines, 2, free_port(), timeout=90):
         assert took[1] < 12, took
+
+
+_LAUNCH = "distamp launch --nproc-per-node N script.py"
+
+
+def test_ddp_without_a_process_group_names_the_launch_command(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No launcher, so setup() made no group: the fix is the launch command (calling
+    init_distributed() again would make none either), and the message says so."""
+    monkeypatch.setenv("DISTAMP_LAUNCHER", "single")
+    model = _model()
+    amp = DistAMP("bf16", strategy="ddp", device="cpu")
+    with pytest.raises(ValueError, match="no launcher started this process") as info:
+        amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert _LAUNCH in str(info.value) and "torchrun --nproc-per-node N" in str(info.value)
+    assert "init_distributed" not in str(info.value)
+    assert "strategy='none'" in str(info.value)
+
+
+def test_ddp_over_a_group_of_one_rank_warns_that_it_trains_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A group of one rank exists (made by hand here, as a script might): DDP over it works, so
+    setup() goes on, with a warning naming the command that starts several ranks, not the
+    no-group advice."""
+    monkeypatch.setenv("DISTAMP_LAUNCHER", "single")
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        model = _model()
+        amp = DistAMP("bf16", strategy="ddp", device="cpu")
+        with pytest.warns(UserWarning, match="process group of one rank") as caught:
+            amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        message = str(caught[0].message)
+        assert _LAUNCH in message and "torchrun --nproc-per-node N" in message
+        assert "init_distributed" not in message and "there is none" not in message
+        assert caught[0].filename == __file__  # pointed at the setup() call
+        with amp.autocast():
+            loss = _loss(amp.model, torch.ones(3, 4))
+        assert amp.backward_and_step(loss) is not None  # it trains, alone
+        amp.close()
+    finally:
+        torch.distributed.destroy_process_group()
