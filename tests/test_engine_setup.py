@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -181,12 +182,11 @@ def test_ddp_without_a_process_group_names_the_launch_command(
     assert "strategy='none'" in str(info.value)
 
 
-def test_ddp_over_a_group_of_one_rank_warns_that_it_trains_alone(
+def test_ddp_over_a_group_of_one_rank_trains_without_the_no_group_advice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A group of one rank exists (made by hand here, as a script might): DDP over it works, so
-    setup() goes on, with a warning naming the command that starts several ranks, not the
-    no-group advice."""
+    """A group of one rank exists (made by hand here, as a script might): DDP over it is valid
+    (a job launched with ``--nproc-per-node 1``), so setup() goes on, silently, and trains."""
     monkeypatch.setenv("DISTAMP_LAUNCHER", "single")
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
@@ -194,15 +194,12 @@ def test_ddp_over_a_group_of_one_rank_warns_that_it_trains_alone(
     try:
         model = _model()
         amp = DistAMP("bf16", strategy="ddp", device="cpu")
-        with pytest.warns(UserWarning, match="process group of one rank") as caught:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no advice to start a group that exists
             amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        message = str(caught[0].message)
-        assert _LAUNCH in message and "torchrun --nproc-per-node N" in message
-        assert "init_distributed" not in message and "there is none" not in message
-        assert caught[0].filename == __file__  # pointed at the setup() call
         with amp.autocast():
             loss = _loss(amp.model, torch.ones(3, 4))
-        assert amp.backward_and_step(loss) is not None  # it trains, alone
+        assert amp.backward_and_step(loss) is not None
         amp.close()
     finally:
         torch.distributed.destroy_process_group()

@@ -109,10 +109,6 @@ def apply_strategy(
 
     Raises:
         ValueError: unknown strategy, or a distributed strategy without a process group.
-
-    Warns:
-        UserWarning: a distributed strategy over a group of one rank (valid, but it trains
-            alone); the message names the command that starts several.
     """
     if strategy not in STRATEGIES or strategy == "auto":
         raise ValueError(
@@ -122,8 +118,6 @@ def apply_strategy(
         return model
     if not is_distributed():
         raise ValueError(_no_group_message(strategy))
-    if dist.get_world_size() == 1:
-        warnings.warn(_one_rank_message(strategy), stacklevel=4)  # at the caller of setup()
     if strategy == "ddp":
         return apply_ddp(model, device=device, **(ddp_kwargs or {}))
     if strategy == "fsdp":
@@ -171,18 +165,6 @@ def _no_group_message(strategy: str) -> str:
         "launcher started this process (no torchrun, srun, mpirun or Ray variables in its "
         f"environment). Start N ranks with {_LAUNCH}; for one process, use strategy='none' "
         "(or 'auto')"
-    )
-
-
-def _one_rank_message(strategy: str) -> str:
-    """Why a group of one rank deserves a warning: it is valid (the wrapper works, which a job
-    launched with ``--nproc-per-node 1`` may want), but it is more often a launch that forgot
-    its rank count, and the run would otherwise look distributed while training alone."""
-    return (
-        f"strategy={strategy!r} over a process group of one rank: this process trains alone, "
-        f"with {strategy}'s overhead and no other rank to share the work. For N ranks, start "
-        f"them with {_LAUNCH}; for one process on purpose, strategy='none' (or 'auto') skips "
-        "the wrapper and this warning"
     )
 
 
