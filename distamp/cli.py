@@ -299,7 +299,9 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     """``distamp report``: the page written and its headline figures; a folder that is not a
-    run is a usage error (exit 2) saying what it lacks."""
+    run is a usage error (exit 2) saying what it lacks. Without matplotlib (the ``report``
+    extra, which ``pip install -e .`` does not bring), exit 1 with the install command rather
+    than a traceback: the main job's last line sends every reader here."""
     from distamp.observe.report import ReportError, draw_report, load_run, summary
 
     try:
@@ -307,7 +309,11 @@ def _report(args: argparse.Namespace) -> int:
     except ReportError as exc:
         print(f"distamp report: {exc}", file=sys.stderr)
         return 2
-    page = draw_report(run, args.run, args.output, png=args.png)
+    try:
+        page = draw_report(run, args.run, args.output, png=args.png)
+    except ImportError as exc:  # matplotlib missing: the message names the command already
+        print(exc, file=sys.stderr)
+        return 1
     headline = summary(run).items()
     figures = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in headline)
     print(f"wrote {page} ({figures})")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -161,3 +162,44 @@ def test_a_second_engine_in_the_same_process_sets_up_promptly() -> None:
     # collective waited for the whole timeout.
     for took in run_ranks(_two_engines, 2, free_port(), timeout=90):
         assert took[1] < 12, took
+
+
+_LAUNCH = "distamp launch --nproc-per-node N script.py"
+
+
+def test_ddp_without_a_process_group_names_the_launch_command(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No launcher, so setup() made no group: the fix is the launch command (calling
+    init_distributed() again would make none either), and the message says so."""
+    monkeypatch.setenv("DISTAMP_LAUNCHER", "single")
+    model = _model()
+    amp = DistAMP("bf16", strategy="ddp", device="cpu")
+    with pytest.raises(ValueError, match="no launcher started this process") as info:
+        amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert _LAUNCH in str(info.value) and "torchrun --nproc-per-node N" in str(info.value)
+    assert "init_distributed" not in str(info.value)
+    assert "strategy='none'" in str(info.value)
+
+
+def test_ddp_over_a_group_of_one_rank_trains_without_the_no_group_advice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A group of one rank exists (made by hand here, as a script might): DDP over it is valid
+    (a job launched with ``--nproc-per-node 1``), so setup() goes on, silently, and trains."""
+    monkeypatch.setenv("DISTAMP_LAUNCHER", "single")
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        model = _model()
+        amp = DistAMP("bf16", strategy="ddp", device="cpu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no advice to start a group that exists
+            amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with amp.autocast():
+            loss = _loss(amp.model, torch.ones(3, 4))
+        assert amp.backward_and_step(loss) is not None
+        amp.close()
+    finally:
+        torch.distributed.destroy_process_group()

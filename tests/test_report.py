@@ -117,6 +117,20 @@ def test_a_folder_that_is_not_a_run_is_a_usage_error(
         load_run(tmp_path)
 
 
+def test_without_matplotlib_the_command_says_which_extra_to_install(
+    telemetry_run: Run, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The library installed alone (``pip install -e .``) lacks the ``report`` extra: the
+    command the main job suggests ends in one line naming it, not a traceback."""
+    out, _ = telemetry_run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    assert main(["report", str(out), "-o", str(out / "r.html")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("distamp report draws with matplotlib")
+    assert "pip install -e '.[report]'" in err
+    assert "Traceback" not in err and not (out / "r.html").exists()
+
+
 def test_metrics_alone_draw_a_page(tmp_path: Path) -> None:
     """A plug-in's or a plain loop's metrics.jsonl without telemetry: the scalar figures are
     drawn, the per-module ones say what to switch on."""

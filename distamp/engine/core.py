@@ -144,9 +144,17 @@ class DistAMP(EnginePersistence, RunLoop):
     config: AMPConfig  # the validated settings
     strategy: str  # resolved at setup(): "none", "ddp", "fsdp", "fsdp2" or "hsdp"
     mp_owner: MPOwner  # who casts: "autocast", "fsdp" or "none" (policy.select_mp_owner)
-    device: torch.device  # the training device, resolved at setup()
-    scaler: DistributedGradScaler  # rank-agreed skips; check-only for bf16/fp32/fp8
-    scheduler: Any  # the LR scheduler, stepped only after a real optimizer step
+    device: torch.device
+    """The training device, resolved at :meth:`setup` (this rank's CUDA device if any, else the
+    CPU, unless ``device=`` said): put each batch there."""
+    scaler: DistributedGradScaler
+    """The rank-agreed scaler, built at :meth:`setup`: loss scaling for fp16, check-only for
+    bf16, fp32 and fp8 (a non-finite step is still skipped on every rank). Read it, e.g.
+    ``amp.scaler.get_scale()`` or ``amp.scaler.skipped_steps``; the engine drives it."""
+    scheduler: Any
+    """The LR scheduler given to :meth:`setup` (``None`` without one). The engine steps it only
+    after a real optimizer step, so a skipped step does not advance the learning rate; do not
+    step it yourself."""
     metrics: Metrics  # on-device window counters, reduced at logging steps
     tracer: NonFiniteTracer | None  # forward non-finite tracing (trace_nonfinite=True)
     fp8: Float8Training | None  # torchao float8 layers and their FSDP2 weight scales
@@ -154,7 +162,9 @@ class DistAMP(EnginePersistence, RunLoop):
     quorum: QuorumSchedule | None  # with ft_manager: when each step's torchft quorum starts
     comm_hook_state: Any  # the DDP comm hook's state, when one is registered
     unused: UnusedParameterCheck | None  # DDP: parameters the first backward gave no gradient
-    step_count: int  # optimizer steps completed (skipped ones included)
+    step_count: int
+    """Optimizer steps completed, skipped ones included: where :meth:`fit` starts from, and
+    what :meth:`load_state` restores with the rest of the checkpoint."""
     cycle: MicroBatchCycle  # backward() calls since the last step(), and their call order
     skips: SkipReports  # skipped steps reported at logging steps; the scale-health warning
     guards: StepGuards  # the spike guard and the consecutive-skip limit (either may be off)
@@ -226,12 +236,16 @@ class DistAMP(EnginePersistence, RunLoop):
 
     @property
     def model(self) -> nn.Module:
+        """The wrapped model :meth:`setup` returned (DDP, FSDP or as given), for the forward;
+        ``RuntimeError`` before setup and after :meth:`close`, which release it."""
         if self._model is None:
             raise RuntimeError("DistAMP: call setup(model, optimizer) first")
         return self._model
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer :meth:`setup` returned, over the wrapped model's parameters; the engine
+        steps and zeroes it. ``RuntimeError`` before setup and after :meth:`close`."""
         if self._optimizer is None:
             raise RuntimeError("DistAMP: call setup(model, optimizer) first")
         return self._optimizer

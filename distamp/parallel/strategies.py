@@ -21,7 +21,7 @@ from torch import nn
 
 from distamp.agreement.replicas import check_torchft_version
 from distamp.agreement.topology import is_dtensor
-from distamp.cluster import is_distributed
+from distamp.cluster import detect_environment, is_distributed
 from distamp.parallel.comm_hooks import COMM_HOOKS, register_comm_hook
 from distamp.parallel.ddp import apply_ddp
 from distamp.parallel.fsdp import (
@@ -117,11 +117,7 @@ def apply_strategy(
     if strategy == "none":
         return model
     if not is_distributed():
-        raise ValueError(
-            f"strategy={strategy!r} needs a torch.distributed process group: start the job with "
-            "a launcher (torchrun, mpirun, srun, `distamp launch`) and call "
-            "distamp.init_distributed() first, or use strategy='none' for one process"
-        )
+        raise ValueError(_no_group_message(strategy))
     if strategy == "ddp":
         return apply_ddp(model, device=device, **(ddp_kwargs or {}))
     if strategy == "fsdp":
@@ -136,6 +132,40 @@ def apply_strategy(
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp2 = fsdp2_mixed_precision(fsdp_dtype) if fsdp_dtype is not None else None
     return apply_fsdp2(model, mesh=mesh, mp_policy=mp2, precision_policy=policy)
+
+
+# How to start N ranks, in both messages below: the fix is the same whichever way this process
+# came to train alone.
+_LAUNCH = (
+    "`distamp launch --nproc-per-node N script.py` (or torchrun --nproc-per-node N script.py; "
+    "mpirun -np N and srun --ntasks N work too)"
+)
+
+
+def _no_group_message(strategy: str) -> str:
+    """Why ``strategy`` cannot wrap when there is no process group at all.
+
+    ``DistAMP.setup`` calls :func:`~distamp.init_distributed`, which makes a group whenever a
+    launcher started the process; so under the engine, no group means no launcher, and the fix
+    is the launch command, not another ``init_distributed()`` (which would make none either).
+    Only a caller of :func:`apply_strategy` itself, under a launcher, still has to call it.
+    """
+    try:
+        launcher = detect_environment().launcher
+    except ValueError:  # a malformed launcher variable: init_distributed will name it
+        launcher = "single"
+    if launcher != "single":
+        return (
+            f"strategy={strategy!r} needs a torch.distributed process group: {launcher} started "
+            "this process but no group was made; call distamp.init_distributed() before "
+            "wrapping (DistAMP.setup() does), or use strategy='none' for one process"
+        )
+    return (
+        f"strategy={strategy!r} needs a torch.distributed process group, and there is none: no "
+        "launcher started this process (no torchrun, srun, mpirun or Ray variables in its "
+        f"environment). Start N ranks with {_LAUNCH}; for one process, use strategy='none' "
+        "(or 'auto')"
+    )
 
 
 def wrap_replicas(model: nn.Module, manager: Any, comm_hook: str | None = None) -> nn.Module:
