@@ -157,7 +157,7 @@ class NumericMonitor:
             )
         patterns = None if watch is None else tuple(watch)
         compute = "fp16" if compute_dtype == torch.float16 else "bf16"
-        self.interval, self.step = interval, step
+        self.interval = interval
         self.tiny = float(torch.finfo(compute_dtype).tiny)
         self.modules: list[tuple[str, nn.Module]] = [
             (name, m)
@@ -173,7 +173,6 @@ class NumericMonitor:
         self._fmax = torch.tensor([FORMAT_MAX[f] for f in formats])
         self._fp8 = [i for i, f in enumerate(formats) if f == "fp8_e4m3"]  # flush measured
         self._fp8_slot = {i: k for k, i in enumerate(self._fp8)}
-        self._flush: torch.Tensor | None = None  # [F] at a reporting step
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # Gradients zero on every row a step did not look up: underflow counts looked-up rows.
         self._row_sparse = {
@@ -186,6 +185,13 @@ class NumericMonitor:
         if self.modules:
             self._step_amax = torch.zeros(len(self.modules), device=self._device())
             self._window_amax = torch.zeros_like(self._step_amax)
+        # [F] at a reporting step; each layer's slot and the "reporting step" flag as tensors:
+        # a compiled block reads them as inputs, where Python numbers would be guards (a graph
+        # per layer, a recompilation per step)
+        self._flush = torch.zeros(len(self._fp8), device=self._device())
+        self._fp8_slots = [torch.tensor([k], device=self._device()) for k in range(len(self._fp8))]
+        self._due_flag = torch.zeros((), device=self._device())
+        self.step = step
         # Each module's slot as a 1-element index tensor, not a Python number: under
         # torch.compile a number read in the hook is a guard, and every block of a model would
         # compile a graph of its own; a tensor is an input, so the blocks share one.
@@ -219,9 +225,11 @@ class NumericMonitor:
         ]
 
     # ------------------------------------------------------------------ forward
-    def _flush_of(self, slot: int, args: Any) -> None:
+    def _flush_of(self, slot: torch.Tensor, args: Any, due: torch.Tensor | None) -> None:
         """At a reporting step: the fraction of a float8 layer's nonzero input that e4m3 flushes
-        to zero under torchao's tensorwise scale ``448 / amax`` (max over micro-batches)."""
+        to zero under torchao's tensorwise scale ``448 / amax`` (max over micro-batches).
+        ``due``: the reporting-step flag, in a compiled block (measured at every step there,
+        kept only at a reporting step); ``None``: eager, called at reporting steps only."""
         x = next(_floats(args), None)
         if x is not None and hasattr(x, "to_local"):
             x = x.to_local()  # a DTensor: this rank's part (its own amax; torchao's is global)
@@ -233,15 +241,20 @@ class NumericMonitor:
         lost = ((a > 0) & (a * (FORMAT_MAX["fp8_e4m3"] / amax) <= E4M3_FLUSH)).sum(
             dtype=torch.float32
         )
-        fraction = torch.nan_to_num(lost / nonzero.clamp(min=1.0))
-        if self._flush is None:
-            self._flush = torch.zeros(len(self._fp8), device=fraction.device)
-        self._flush[slot] = torch.maximum(self._flush[slot], fraction)
+        fraction = torch.nan_to_num(lost / nonzero.clamp(min=1.0)).reshape(1)
+        if due is not None:
+            fraction = fraction * due  # 0 outside a reporting step: the maximum keeps the old
+        merged = torch.maximum(self._flush.index_select(0, slot), fraction.to(self._flush.device))
+        self._flush.index_copy_(0, slot, merged)
 
     def _pre_hook(self, slot: int) -> Any:
+        index = self._fp8_slots[slot]
+
         def pre_hook(_module: nn.Module, args: Any) -> None:
-            if self.due and not in_recomputation():
-                self._flush_of(slot, args)
+            if torch.compiler.is_compiling():
+                self._flush_of(index, args, self._due_flag)
+            elif self.due and not in_recomputation():
+                self._flush_of(index, args, None)
 
         return pre_hook
 
@@ -270,9 +283,19 @@ class NumericMonitor:
         return hook
 
     @property
+    def step(self) -> int:
+        """Optimizer steps completed (skipped ones included)."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
+        self._due_flag.fill_(1.0 if self.due else 0.0)  # no sync: a write to the device
+
+    @property
     def due(self) -> bool:
         """Whether the step in progress closes a report (every ``interval`` steps)."""
-        return (self.step + 1) % self.interval == 0
+        return (self._step + 1) % self.interval == 0
 
     # ------------------------------------------------------------------ the step
     def before_step(self) -> None:
@@ -324,8 +347,7 @@ class NumericMonitor:
         under = self._underflow
         if under is None:
             under = torch.zeros(len(self.params), device=bad.device)
-        flush = self._flush if self._flush is not None else torch.zeros(len(self._fp8))
-        stats = torch.cat([amax, under.to(bad.device), flush.to(bad.device)])
+        stats = torch.cat([amax, under.to(bad.device), self._flush.to(bad.device)])
         self._local_stats = stats  # kept apart: the collective reduces a copy of the payload
         return torch.cat([bad, stats])
 
@@ -389,7 +411,8 @@ class NumericMonitor:
         mine = self._named(self._local_stats)  # this rank's own numbers, before agreeing
         self.latest_local = NumericStats(self.step, mine[0], mine[1], skips, mine[2])
         self._firsts, self._agreed_stats, self._underflow = [], None, None
-        self._flush, self._local_stats = None, None
+        self._local_stats = None
+        self._flush.zero_()
         if self._window_amax is not None:
             self._window_amax.zero_()
         return self.latest
