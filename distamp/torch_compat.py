@@ -11,9 +11,10 @@ the one private name each of torchft (the Manager's process group), torchao (the
 weight wrapper's tensor and precomputed scale) and Accelerate (its mark on a prepared model)
 keeps with no public accessor; and the attributes under which torch's module wrappers
 (``CheckpointWrapper``, ``torch.compile``'s ``OptimizedModule``, FSDP1, DDP) hold the module they
-wrap, whose names show up in every qualified name below them. Private names move between releases without notice, so they are
-read here and only here: a rename shows up as one failing check (:func:`missing_internals`, run by
-``tests/test_torch_compat.py`` on the floor, the pinned and the newest torch of
+wrap, whose names show up in every qualified name below them. Private names move between
+releases without notice, so they are read here and only here: a rename shows up as one failing
+check (:func:`missing_internals`, run by ``tests/test_torch_compat.py`` on the floor, the pinned
+and the newest torch of
 :data:`distamp.versions.TORCH`) instead of an ``AttributeError`` in the middle of a run.
 
 Each name was checked on every torch release of that window.
