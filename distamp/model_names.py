@@ -52,11 +52,18 @@ def model_name(name: str, model: nn.Module | None = None) -> str:
     return ".".join(p for p in parts[i:] if p not in WRAPPER_PARTS)
 
 
-def named_model_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def named_model_modules(
+    model: nn.Module, *, outermost: bool = False
+) -> Iterator[tuple[str, nn.Module]]:
     """``model.named_modules()`` in model names: each name once, in ``named_modules`` order,
-    with the innermost module of that name (the wrapped one, never its wrapper). A module
-    reachable under two names is yielded once, as ``named_modules`` does."""
+    with the innermost module of that name (the wrapped one, whose own forward runs again
+    when a checkpoint recomputes it), or with ``outermost`` the outermost (its wrapper, if
+    any: hooks at a block's boundary stay outside a checkpointed or compiled region, where a
+    graph break inside would leave the block uncompiled). A module reachable under two names
+    is yielded once, as ``named_modules`` does."""
     found: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
-        found[model_name(name, model)] = module  # pre-order: an inner module comes later
+        key = model_name(name, model)  # pre-order: an inner module comes after its wrapper
+        if not (outermost and key in found):
+            found[key] = module
     yield from found.items()

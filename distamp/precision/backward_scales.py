@@ -128,10 +128,12 @@ def select_blocks(
 ) -> list[tuple[str, nn.Module]]:
     """The blocks of ``model`` (see the module doc), in ``named_modules`` order, never nested.
 
-    Names are model names and modules the wrapped ones (:mod:`distamp.model_names`): a block is
-    the same block, its hooks in its own forward, with or without a checkpoint wrapper or
-    ``torch.compile`` around it or the model."""
-    modules = list(named_model_modules(model))
+    Names are model names (:mod:`distamp.model_names`): a block is the same block with or
+    without a checkpoint wrapper or ``torch.compile`` around it or the model. The module is the
+    outermost of that name, so the hooks sit at the block's boundary, outside its checkpoint and
+    its compiled region (its entry and exit factors once per forward, and a block compiled with
+    its wrapper stays one graph)."""
+    modules = list(named_model_modules(model, outermost=True))
     if patterns is not None:
         out: list[tuple[str, nn.Module]] = []
         for name, module in modules:

@@ -278,7 +278,8 @@ def fp8_tp_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
     swap = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
-    modules = dict(named_model_modules(model))
+    # parallelize_module's own names (a plan is torch's: its keys spell any wrapper's parts)
+    modules = dict(model.named_modules())
     out: dict[str, Any] = {}
     for key, style in plan.items():
         # parallelize_module's matching: fnmatch on each dotted atom ("blocks.*.fc").
