@@ -9,9 +9,12 @@ FSDP1's hybrid replica group, DTensor's local tensor, the hook tables of ``nn.Mo
 on a copy made for export), AOTInductor's entry points, the storage of a sparse gradient; and
 the one private name each of torchft (the Manager's process group), torchao (the float8
 weight wrapper's tensor and precomputed scale) and Accelerate (its mark on a prepared model)
-keeps with no public accessor. Private names move between releases without notice, so they are
-read here and only here: a rename shows up as one failing check (:func:`missing_internals`, run by
-``tests/test_torch_compat.py`` on the floor, the pinned and the newest torch of
+keeps with no public accessor; and the attributes under which torch's module wrappers
+(``CheckpointWrapper``, ``torch.compile``'s ``OptimizedModule``, FSDP1, DDP) hold the module they
+wrap, whose names show up in every qualified name below them. Private names move between
+releases without notice, so they are read here and only here: a rename shows up as one failing
+check (:func:`missing_internals`, run by ``tests/test_torch_compat.py`` on the floor, the pinned
+and the newest torch of
 :data:`distamp.versions.TORCH`) instead of an ``AttributeError`` in the middle of a run.
 
 Each name was checked on every torch release of that window.
@@ -48,6 +51,7 @@ __all__ = [
     "in_recomputation",
     "compiled_backward_without_autocast",
     "is_pipeline_stage",
+    "wrapped_attribute",
     "mark_optimizer_stepped",
     "checkpoint_recomputation",
     "missing_internals",
@@ -320,6 +324,45 @@ def aoti_load_package(path: str) -> Any:
     return importlib.import_module("torch._inductor").aoti_load_package(path)
 
 
+# The attribute under which each of torch's module wrappers holds the module it wraps. The
+# first three are private to torch (``_CHECKPOINT_WRAPPED_MODULE`` of checkpoint_wrapper,
+# ``OptimizedModule.__init__``'s ``self._orig_mod``, ``_common_utils.FSDP_WRAPPED_MODULE``);
+# DDP's ``module`` is public. torchft's DDP subclasses torch's and adds no part of its own.
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
+COMPILED_WRAPPED = "_orig_mod"
+FSDP1_WRAPPED = "_fsdp_wrapped_module"
+WRAPPER_PARTS: frozenset[str] = frozenset({CHECKPOINT_WRAPPED, COMPILED_WRAPPED, FSDP1_WRAPPED})
+"""The name parts only torch's wrappers add (no model names its own modules so)."""
+
+
+def wrapped_attribute(module: Any) -> str | None:
+    """The attribute under which ``module``, one of torch's module wrappers, holds the module it
+    wraps (``"module"`` for DDP and ``DataParallel``); ``None`` for any other module.
+
+    The wrappers' classes are looked up only where their modules are already imported: a model
+    cannot hold a wrapper whose class was never loaded (and importing ``torch._dynamo`` costs
+    seconds).
+    """
+    import sys
+
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(module, (DistributedDataParallel, DataParallel)):
+        return "module"
+    kinds = (
+        ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "ActivationWrapper"),
+        ("torch._dynamo.eval_frame", "OptimizedModule"),
+        ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"),
+    )
+    for (where, kind), attribute in zip(
+        kinds, (CHECKPOINT_WRAPPED, COMPILED_WRAPPED, FSDP1_WRAPPED), strict=True
+    ):
+        cls = getattr(sys.modules.get(where), kind, None)
+        if cls is not None and isinstance(module, cls):
+            return attribute
+    return None
+
+
 def missing_internals() -> list[str]:
     """The internal names above that the running torch lacks (empty: this torch is usable).
 
@@ -341,6 +384,18 @@ def missing_internals() -> list[str]:
     missing += [f"torch._inductor.{n}" for n in aoti if not hasattr(inductor, n)]
     if not hasattr(importlib.import_module("torch._functorch.config"), "backward_pass_autocast"):
         missing.append("torch._functorch.config.backward_pass_autocast")
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper
+    from torch.distributed.fsdp import _common_utils
+
+    if getattr(checkpoint_wrapper, "_CHECKPOINT_WRAPPED_MODULE", None) != CHECKPOINT_WRAPPED:
+        missing.append("checkpoint_wrapper._CHECKPOINT_WRAPPED_MODULE")
+    if not hasattr(checkpoint_wrapper, "ActivationWrapper"):
+        missing.append("checkpoint_wrapper.ActivationWrapper")
+    if getattr(_common_utils, "FSDP_WRAPPED_MODULE", None) != FSDP1_WRAPPED:
+        missing.append("torch.distributed.fsdp._common_utils.FSDP_WRAPPED_MODULE")
+    compiled = torch.compile(torch.nn.Identity(), backend="eager")
+    if getattr(compiled, COMPILED_WRAPPED, None) is None:
+        missing.append(f"OptimizedModule.{COMPILED_WRAPPED}")
     if not hasattr(torch._C, "_current_graph_task_id"):
         missing.append("torch._C._current_graph_task_id")
     if not hasattr(torch._C, "_group_tensors_by_device_and_dtype"):

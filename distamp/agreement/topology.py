@@ -46,6 +46,7 @@ from distamp.agreement.reduction import FlagReducer, GroupSpec
 from distamp.agreement.replicas import ManagerGroup, is_ft_manager
 from distamp.arguments import integer_or_none
 from distamp.cluster import is_distributed
+from distamp.model_names import model_name
 from distamp.torch_compat import fsdp1_replica_group, is_pipeline_stage
 
 __all__ = [
@@ -303,8 +304,8 @@ class Topology:
                 f"torch.distributed.pipelining stage, got {type(module).__name__}"
             )
         inner = module.module if isinstance(module, DistributedDataParallel) else module
-        for name, p in inner.named_parameters():
-            self.param_names[id(p)] = name
+        for name, p in inner.named_parameters():  # model names: the same under any wrapper
+            self.param_names[id(p)] = model_name(name, inner)
         self._copies.clear()
         self._ddp_cover.clear()
         if stage_group is not None and is_distributed():

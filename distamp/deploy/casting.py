@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from distamp.deploy.plan import PrecisionPlan
+from distamp.model_names import named_model_modules
 from distamp.precision.fp8_parallel import is_float8_linear
 from distamp.precision.regions import AUTOCAST_LOW_OPS, Fp32Ops, strip_regions
 from distamp.torch_compat import clear_module_hooks
@@ -101,7 +102,7 @@ def _cast_tensors(model: nn.Module, plan: PrecisionPlan) -> None:
     modules share (tied weights) stays shared when they compute in the same dtype; otherwise
     each dtype gets its own copy, cast from the same trained value."""
     copies: dict[tuple[int, torch.dtype], Any] = {}
-    for name, module in model.named_modules():
+    for name, module in named_model_modules(model):
         dtype = plan.dtype_of(name)
         for pname, param in list(module.named_parameters(recurse=False)):
             if param.dtype in _CASTABLE and param.dtype != dtype:
@@ -150,7 +151,7 @@ def low_precision_copy(clean: nn.Module, plan: PrecisionPlan) -> nn.Module:
     if plan.compute_dtype == torch.float32 and not plan.decisions:
         return model  # fp32: nothing to cast
     _cast_tensors(model, plan)
-    for name, module in model.named_modules():
+    for name, module in named_model_modules(model):
         dtype = plan.dtype_of(name)
         # A float8 Linear computes as the plain linear it subclasses (its bf16 fallback).
         inner = nn.Linear.forward if is_float8_linear(module) else type(module).forward

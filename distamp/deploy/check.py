@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from distamp.model_names import named_model_modules
 from distamp.precision.settings import Fields
 
 __all__ = [
@@ -187,7 +188,7 @@ def _record(model: nn.Module, skip: set[str]) -> tuple[dict[str, Any], list[str]
     outputs: dict[str, Any] = {}
     order: list[str] = []
     handles = []
-    for name, module in model.named_modules():
+    for name, module in named_model_modules(model):
         if name in skip:
             continue
 
@@ -246,7 +247,7 @@ def first_divergence(
     def frozen(name: str) -> bool:
         return name == "" or any(name == f or name.startswith(f + ".") for f in fixed if f)
 
-    skip = {n for n, _ in reference.named_modules() if frozen(n)}
+    skip = {n for n, _ in named_model_modules(reference) if frozen(n)}
     ref_out, _, ref_handles = _record(reference, skip)
     low_out, order, low_handles = _record(low, skip)
     try:
@@ -256,7 +257,7 @@ def first_divergence(
     finally:
         for h in (*ref_handles, *low_handles):
             h.remove()
-    kinds = dict(reference.named_modules())
+    kinds = dict(named_model_modules(reference))
     for name in order:
         if name not in ref_out:
             continue

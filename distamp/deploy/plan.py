@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from distamp.model_names import named_model_modules
 from distamp.precision.adaptive import PrecisionChange
 from distamp.precision.fp8_parallel import is_float8_linear
 from distamp.precision.fp8_select import plan_linears
@@ -141,7 +142,7 @@ class PrecisionPlan:
                 another model), or a policy pattern matches nothing (as in training).
         """
         policy.check_patterns(model)
-        modules = dict(model.named_modules())
+        modules = dict(named_model_modules(model))
         compute = policy.compute_dtype or torch.float32
         decisions: dict[str, ModuleDecision] = {}
         if policy.compute_dtype is not None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from distamp.model_names import model_name
 from distamp.optim import MasterWeightOptimizer
 from distamp.optim.store import local_tensor, shaped_like
 
@@ -28,12 +29,12 @@ _MASTER = ".master"
 
 
 def _entries(model: nn.Module, optimizer: MasterWeightOptimizer) -> list[tuple[str, nn.Parameter]]:
-    """``(state-dict key, parameter)`` of every 16-bit parameter (the wrappers' prefixes off,
-    as DCP's keys have them)."""
+    """``(state-dict key, parameter)`` of every 16-bit parameter (model names: the wrappers'
+    parts off, as DCP's keys have them)."""
     out = []
     for name, p in model.named_parameters():
         if p in optimizer.masters and optimizer.masters[p].kind != "fp32":
-            out.append((name.removeprefix("module."), p))
+            out.append((model_name(name, model), p))
     return out
 
 

@@ -46,6 +46,7 @@ from distamp.engine.wrapping import (
     prepare_precision,
     wrap_model,
 )
+from distamp.model_names import model_name
 from distamp.observe.diagnostics import NonFiniteTracer
 from distamp.observe.metrics import Metrics, StepResult
 from distamp.observe.numerics import NumericStats
@@ -283,7 +284,7 @@ class DistAMP(EnginePersistence, RunLoop):
         self.mp_owner = select_mp_owner(cfg.precision, self.strategy, self.device.type)
         # Before wrapping, whose collectives would hang or diverge on ranks built differently.
         check_setup(cfg, self.strategy, self.device, model, optimizer, scheduler)
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): model_name(n, model) for n, p in model.named_parameters()}
         model = model.to(self.device)
         # 16-bit weights before any wrapper sees them (DDP's buckets take the parameters' dtype)
         low = (

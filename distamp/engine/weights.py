@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.model_names import model_name
 from distamp.optim import MasterWeightOptimizer, WeightPrecision, island_parameters
 from distamp.optim.bits import join_remainder
 from distamp.optim.rules import rule_for
@@ -115,7 +116,7 @@ def cast_weights(
             "or, for DDP in a loop of your own, distamp.master_weights before wrapping"
         )
     keep = island_parameters(model, policy)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named = [(model_name(n, model), p) for n, p in model.named_parameters() if p.requires_grad]
     low16 = [n for n, p in named if p.dtype in (torch.float16, torch.bfloat16)]
     if low16:
         raise ValueError(
@@ -144,7 +145,7 @@ def master_optimizer(
     """
     by_name = {}
     for name, p in wrapped.named_parameters():
-        clean = name.removeprefix("module.")
+        clean = model_name(name, wrapped)
         if clean in low:
             by_name[id(p)] = _local_like(low[clean], p)
     params = [p for g in optimizer.param_groups for p in g["params"]]

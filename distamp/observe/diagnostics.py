@@ -28,6 +28,7 @@ from torch import nn
 
 from distamp.agreement.topology import local_grad
 from distamp.cluster import is_distributed
+from distamp.model_names import named_model_modules
 from distamp.observe.overflow_flags import OverflowRecorder
 from distamp.torch_compat import foreach_norm, in_recomputation
 
@@ -206,7 +207,8 @@ class NonFiniteTracer:
     _NONE = 2**62
 
     def __init__(self, model: nn.Module) -> None:
-        self.names = [name or "<root>" for name, _ in model.named_modules()]
+        modules = list(named_model_modules(model))  # model names: the same under any wrapper
+        self.names = [name or "<root>" for name, _ in modules]
         self._sums: torch.Tensor | None = None  # one slot per finished module output
         self._order: list[int] = []  # module index of each slot, in completion order
         self._loss_bad: torch.Tensor | None = None
@@ -215,7 +217,7 @@ class NonFiniteTracer:
         self._index_table: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._handles = [
             module.register_forward_hook(self._hook(index))
-            for index, (_, module) in enumerate(model.named_modules())
+            for index, (_, module) in enumerate(modules)
         ]
 
     def _hook(self, index: int) -> Any:

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from distamp.model_names import model_name, named_model_modules
 from distamp.torch_compat import in_recomputation
 
 __all__ = ["E4M3_FLUSH", "FORMAT_MAX", "NumericMonitor", "NumericStats"]
@@ -161,7 +162,7 @@ class NumericMonitor:
         self.tiny = float(torch.finfo(compute_dtype).tiny)
         self.modules: list[tuple[str, nn.Module]] = [
             (name, m)
-            for name, m in model.named_modules()
+            for name, m in named_model_modules(model)
             if (
                 any(fnmatch.fnmatchcase(name, p) for p in patterns)
                 if patterns is not None
@@ -173,12 +174,12 @@ class NumericMonitor:
         self._fmax = torch.tensor([FORMAT_MAX[f] for f in formats])
         self._fp8 = [i for i, f in enumerate(formats) if f == "fp8_e4m3"]  # flush measured
         self._fp8_slot = {i: k for k, i in enumerate(self._fp8)}
-        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [
+            (model_name(n, model), p) for n, p in model.named_parameters() if p.requires_grad
+        ]
         # Gradients zero on every row a step did not look up: underflow counts looked-up rows.
         self._row_sparse = {
-            id(m.weight)
-            for _, m in model.named_modules()
-            if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+            id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
         }
         self._step_amax: torch.Tensor | None = None  # [M] this step's max |output|
         self._window_amax: torch.Tensor | None = None  # [M] since the last report

@@ -53,6 +53,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 from torch.nn.parallel import DistributedDataParallel
 
 from distamp.agreement.scale_reads import current_loss_scale, last_step_skipped
+from distamp.model_names import model_name, named_model_modules
 from distamp.parallel.fp8_comm import Fp8CommState, Fp8ReduceScatter, GroupState, fp8_hook
 from distamp.parallel.fp8_replicas import ReplicaFp8
 
@@ -323,7 +324,7 @@ def register_comm_hook(
         model.register_comm_hook(psgd, powersgd_hook)
         return psgd
     if kind in ("fp8", "fp8-ef"):
-        names = {id(p): n for n, p in model.module.named_parameters()}
+        names = {id(p): model_name(n, model) for n, p in model.named_parameters()}
         ef = kind == "fp8-ef"
         fp8 = Fp8CommState(scaler, process_group, error_feedback=ef, names=names, **options)
         model.register_comm_hook(fp8, fp8_hook)
@@ -344,7 +345,7 @@ def _register_fsdp2(
     """``"fp8"``/``"fp8-ef"`` as every ``fully_shard`` module's gradient reduce-scatter."""
     from torch.distributed.fsdp import FSDPModule
 
-    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    modules = [(n, m) for n, m in named_model_modules(model) if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError(
             f"comm_hook={kind!r} needs a DDP module or an FSDP2 (fully_shard) model, got "

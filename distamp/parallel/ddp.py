@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distamp.arguments import INT32_MAX, ArgumentTypeError, as_bool, as_real
+from distamp.model_names import named_model_modules
 
 __all__ = ["DDP_KWARGS", "DENSE_BUCKET_HOOKS", "apply_ddp", "check_sparse_gradients", "ddp_options"]
 
@@ -91,7 +92,7 @@ def check_sparse_gradients(model: nn.Module, comm_hook: str | None) -> None:
     """
     if comm_hook not in DENSE_BUCKET_HOOKS:
         return
-    for name, module in model.named_modules():
+    for name, module in named_model_modules(model):
         sparse = isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
         if sparse and module.weight.requires_grad:
             raise ValueError(

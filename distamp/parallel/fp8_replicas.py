@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
+from distamp.model_names import model_name
 from distamp.parallel.fp8_comm import BucketExchange, Fp8CommState
 from distamp.torch_compat import torchft_manager_group
 
@@ -120,7 +121,7 @@ def replica_fp8_ddp(manager: Any, model: torch.nn.Module, kind: str) -> torch.nn
     """``model`` in torchft's DDP across ``manager``'s replicas, its gradients exchanged by
     :func:`fp8_replica_hook` (``kind``: ``"fp8"``, or ``"fp8-ef"`` with error feedback). The
     state is the module's ``fp8_state`` (the engine hands its ``fp8`` part the scaler)."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): model_name(n, model) for n, p in model.named_parameters()}
     fp8 = Fp8CommState(error_feedback=kind == "fp8-ef", names=names)
     ddp: torch.nn.Module = _replica_class()(manager, model, ReplicaFp8(manager, fp8))
     return ddp

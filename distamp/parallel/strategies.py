@@ -22,6 +22,7 @@ from torch import nn
 from distamp.agreement.replicas import check_torchft_version
 from distamp.agreement.topology import is_dtensor
 from distamp.cluster import detect_environment, is_distributed
+from distamp.model_names import model_name
 from distamp.parallel.comm_hooks import COMM_HOOKS, register_comm_hook
 from distamp.parallel.ddp import apply_ddp
 from distamp.parallel.fsdp import (
@@ -221,7 +222,7 @@ def rebuild_optimizer(
     """Rebuild ``old`` over the parameters of ``wrapped`` after FSDP replaced them.
 
     Parameter groups are matched by name (``names`` maps ``id`` of each original parameter to
-    its name before wrapping; FSDP1's wrapper prefixes are stripped), so per-group settings such
+    its model name before wrapping, :mod:`distamp.model_names`), so per-group settings such
     as "no weight decay on biases" survive. The class and its defaults are reused as they are.
 
     Raises:
@@ -243,7 +244,7 @@ def rebuild_optimizer(
         {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in old.param_groups
     ]
     for name, p in wrapped.named_parameters():
-        clean = name.replace("_fsdp_wrapped_module.", "")
+        clean = model_name(name, wrapped)
         if clean in group_of:
             groups[group_of[clean]]["params"].append(p)
     if not any(g["params"] for g in groups):

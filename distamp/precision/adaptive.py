@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from distamp.arguments import INT32_MAX, ArgumentTypeError
+from distamp.model_names import named_model_modules
 from distamp.observe.numerics import NumericStats
 from distamp.precision.fp8_parallel import gathers_in_float8, is_float8_linear
 from distamp.precision.patterns import check_module_patterns
@@ -198,8 +199,10 @@ class AdaptivePrecision:
         return tuple(self._handles)
 
     def bind(self, model: nn.Module, fixed: tuple[str, ...] = ()) -> None:
-        """Know ``model``'s modules (names as in ``named_modules``); ``fixed`` are the policy's
-        own fp32 modules, never changed. A refused model changes nothing.
+        """Know ``model``'s modules by their model names (:mod:`distamp.model_names`: the same
+        with or without activation checkpointing, ``torch.compile``, DDP or FSDP, so a change log
+        saved under one wrapping replays under another); ``fixed`` are the policy's own fp32
+        modules, never changed. A refused model changes nothing.
 
         Raises:
             ValueError: a ``watch`` pattern that matches no module of ``model``; or precision
@@ -207,7 +210,7 @@ class AdaptivePrecision:
                 weight to fall back on).
         """
         check_module_patterns(model, watch=self.rules.watch)
-        modules = dict(model.named_modules())
+        modules = dict(named_model_modules(model))
         fp8: set[str] = set()
         if self.precision == "fp8":
             fp8 = {n for n, m in modules.items() if is_float8_linear(m)}

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from distamp.model_names import model_name, named_model_modules
 from distamp.precision.casts import LOW_PRECISION
 from distamp.precision.fp8_select import LinearChoice, plan_linears
 from distamp.precision.policy import AutocastPolicy, PrecisionLike, parse_precision
@@ -164,7 +165,7 @@ class _OpRecorder(TorchDispatchMode):
 def _recording(model: nn.Module, records: list[ModuleRecord]) -> Iterator[None]:
     stack: list[ModuleRecord] = []
     handles = []
-    for name, module in model.named_modules():
+    for name, module in named_model_modules(model):  # model names, as the policy's
 
         def pre(mod: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
             rec = ModuleRecord(
@@ -249,7 +250,9 @@ def _enabled(scaler: Any) -> bool:
 
 def _issues(model: nn.Module, records: list[ModuleRecord], scaled: bool) -> list[str]:
     issues = []
-    fp16_params = [n for n, p in model.named_parameters() if p.dtype == torch.float16]
+    fp16_params = [
+        model_name(n, model) for n, p in model.named_parameters() if p.dtype == torch.float16
+    ]
     if fp16_params and scaled:
         shown = ", ".join(fp16_params[:3]) + (", ..." if len(fp16_params) > 3 else "")
         issues.append(

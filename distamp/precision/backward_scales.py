@@ -59,6 +59,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from distamp.arguments import ArgumentTypeError
+from distamp.model_names import model_name, named_model_modules
 from distamp.observe.numerics import FORMAT_MAX, NumericStats
 from distamp.precision.patterns import check_module_patterns
 from distamp.precision.settings import EXPONENT_LIMIT, Fields
@@ -125,26 +126,37 @@ class BackwardScaleChange:
 def select_blocks(
     model: nn.Module, patterns: tuple[str, ...] | None = None
 ) -> list[tuple[str, nn.Module]]:
-    """The blocks of ``model`` (see the module doc), in ``named_modules`` order, never nested."""
+    """The blocks of ``model`` (see the module doc), in ``named_modules`` order, never nested.
+
+    Names are model names (:mod:`distamp.model_names`): a block is the same block with or
+    without a checkpoint wrapper or ``torch.compile`` around it or the model. The module is the
+    outermost of that name, so the hooks sit at the block's boundary, outside its checkpoint and
+    its compiled region (its entry and exit factors once per forward, and a block compiled with
+    its wrapper stays one graph)."""
+    modules = list(named_model_modules(model, outermost=True))
     if patterns is not None:
         out: list[tuple[str, nn.Module]] = []
-        for name, module in model.named_modules():
+        for name, module in modules:
             inside = any(name.startswith(f"{b}.") for b, _ in out)
             if name and not inside and any(fnmatch.fnmatchcase(name, p) for p in patterns):
                 out.append((name, module))
         return out
 
-    def expand(prefix: str, parent: nn.Module) -> list[tuple[str, nn.Module]]:
+    children: dict[str, list[tuple[str, nn.Module]]] = {}
+    for name, module in modules:
+        if name:
+            children.setdefault(name.rpartition(".")[0], []).append((name, module))
+
+    def expand(parent: str) -> list[tuple[str, nn.Module]]:
         found: list[tuple[str, nn.Module]] = []
-        for child_name, child in parent.named_children():
-            name = f"{prefix}{child_name}"
+        for name, child in children.get(parent, []):
             if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                found += expand(f"{name}.", child)
+                found += expand(name)
             elif any(True for _ in child.parameters()):
                 found.append((name, child))
         return found
 
-    return expand("", model)
+    return expand("")
 
 
 class _Leave(torch.autograd.Function):
@@ -237,7 +249,7 @@ class BackwardScales:
 
     # ------------------------------------------------------------------ binding
     def bind(self, model: nn.Module) -> None:
-        """Find ``model``'s blocks (the unwrapped model: names as the user knows them) and put
+        """Find ``model``'s blocks (by model names: :func:`select_blocks`) and put
         the entry/exit hooks on them. A refused model changes nothing.
 
         Raises:
@@ -255,7 +267,9 @@ class BackwardScales:
         previous = dict(zip(self.names, self.exponents, strict=True))
         self.names = [name for name, _ in blocks]
         self.exponents = [previous.get(name, 0) for name in self.names]
-        self._params = [list(m.named_parameters(prefix=n)) for n, m in blocks]
+        self._params = [
+            [(model_name(p), t) for p, t in m.named_parameters(prefix=n)] for n, m in blocks
+        ]
         owners: dict[int, list[int]] = {}
         for i, params in enumerate(self._params):
             for _, p in params:

@@ -38,6 +38,7 @@ from torch import nn
 from distamp.agreement.reduction import FlagReducer
 from distamp.agreement.topology import agreement_group
 from distamp.cluster import is_distributed
+from distamp.model_names import model_name
 from distamp.precision.fp8_parallel import WeightScales, is_float8_linear
 from distamp.precision.fp8_select import (
     DEFAULT_MIN_FEATURES,
@@ -156,7 +157,9 @@ class Float8Training:
         if emulated:  # the same float8 operands and scales, multiplied in fp32
             config = replace(config, emulate=True)
         ao.convert_to_float8_training(
-            model, module_filter_fn=lambda _m, fqn: fqn in selected, config=config
+            model,  # torchao's fqn spells the wrappers' parts; the choices are model names
+            module_filter_fn=lambda _m, fqn: model_name(fqn, model) in selected,
+            config=config,
         )
         state = cls(settings, choices, _hooks=_add_input_casts(model))
         if not selected and (not is_distributed() or dist.get_rank() == 0):

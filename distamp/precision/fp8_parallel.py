@@ -44,6 +44,7 @@ from torch import nn
 
 from distamp.agreement.reduction import ExternalGroup, FlagReducer
 from distamp.agreement.topology import agreement_group
+from distamp.model_names import named_model_modules
 from distamp.precision.fp8_torchao import require_torchao
 from distamp.torch_compat import (
     dtensor_local,
@@ -184,10 +185,11 @@ class WeightScales:
         seen: set[int] = set()
         meshes: dict[int, bytes] = {}
         for root in roots:
-            for name, module in root.named_modules():
+            for name, module in named_model_modules(root):
                 if id(module) not in seen and gathers_in_float8(module):
                     seen.add(id(module))
-                    mesh = _mesh_digest(module.weight.device_mesh, meshes)
+                    weight: Any = module.weight  # a DTensor (gathers_in_float8)
+                    mesh = _mesh_digest(weight.device_mesh, meshes)
                     self._layers.append((_key(mesh, name), name, module))
         keys = sorted({key for key, _, _ in self._layers})
         cpu = torch.device("cpu")
@@ -276,6 +278,7 @@ def fp8_tp_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
     swap = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
+    # parallelize_module's own names (a plan is torch's: its keys spell any wrapper's parts)
     modules = dict(model.named_modules())
     out: dict[str, Any] = {}
     for key, style in plan.items():

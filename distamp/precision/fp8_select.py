@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from distamp.arguments import INT64_MAX
+from distamp.model_names import named_model_modules
 from distamp.precision.fp8_parallel import is_float8_linear
 from distamp.precision.settings import Fields
 
@@ -160,7 +161,7 @@ def plan_linears(model: nn.Module, policy: Fp8Policy) -> list[LinearChoice]:
         for sub in module.modules():
             islands[id(sub)] = name or "<root>"
     choices = []
-    for name, module in model.named_modules():
+    for name, module in named_model_modules(model):
         if not isinstance(module, nn.Linear):
             continue
         k, n = module.in_features, module.out_features

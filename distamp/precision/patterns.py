@@ -3,8 +3,10 @@
 The precision settings name modules with ``fnmatch`` patterns (case-sensitive
 ``fnmatchcase``, as every matcher in distamp uses): ``AutocastPolicy(fp32_modules=...,
 fp8_exclude=...)``, ``AdaptiveRules(watch=...)``, ``BackwardScaleRules(blocks=...)``. Each is
-matched against the qualified names of ``model.named_modules()`` (``fp32_modules`` also against
-class names; ``fp8_exclude`` against the Linear layers, the only modules it acts on). A pattern
+matched against the model's own qualified names (:mod:`distamp.model_names`: the parts
+activation checkpointing, ``torch.compile``, FSDP1 and DDP add dropped, so ``"blocks.*.ln"``
+matches whatever wraps the model; ``fp32_modules`` also against class names; ``fp8_exclude``
+against the Linear layers, the only modules it acts on). A pattern
 goes wrong without a word in two ways, both refused here:
 
 - one string where a sequence is expected: ``tuple("lm_head")`` is the patterns ``'l'``,
@@ -34,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.arguments import ArgumentTypeError
+from distamp.model_names import named_model_modules
 
 __all__ = [
     "as_patterns",
@@ -169,7 +172,7 @@ _JOB: ContextVar[tuple[_Entry, ...] | None] = ContextVar("distamp_job_modules", 
 
 
 def _entries(model: nn.Module) -> list[_Entry]:
-    return [(n, type(m).__name__, isinstance(m, nn.Linear)) for n, m in model.named_modules()]
+    return [(n, type(m).__name__, isinstance(m, nn.Linear)) for n, m in named_model_modules(model)]
 
 
 def gather_modules(model: nn.Module) -> tuple[_Entry, ...]:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from distamp.arguments import as_bool
+from distamp.model_names import named_model_modules
 from distamp.precision.adaptive import AdaptivePrecision, AdaptiveRules
 from distamp.precision.backward_scales import BackwardScaleRules, BackwardScales
 from distamp.precision.fp8_select import Float8Settings
@@ -257,10 +258,11 @@ class AutocastPolicy:
 
     def fp32_modules_of(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The ``(name, module)`` pairs of ``model`` that run in fp32, outermost only (a module
-        inside an fp32 module is covered by it)."""
+        inside an fp32 module is covered by it); names are model names
+        (:mod:`distamp.model_names`), so patterns match whatever wraps the model."""
         found: list[tuple[str, nn.Module]] = []
         covered: set[int] = set()
-        for name, module in model.named_modules():
+        for name, module in named_model_modules(model):
             if id(module) in covered or not self.is_fp32_module(name, module):
                 continue
             found.append((name, module))
