@@ -36,14 +36,10 @@ METRICS_FILE = "metrics.jsonl"
 class MetricsRecorder:
     """Keep a hand loop's metrics in ``directory/metrics.jsonl``, as ``fit`` keeps the engine's.
 
-    With the drop-in scaler, after each ``scaler.update()``::
-
-        recorder.step(scaler, loss=loss, grad_norm=norm)
-
-    With the engine in a hand loop (which feeds its own reducer in ``backward`` and ``step``),
-    at each logging step::
-
-        recorder.log(amp.collect_metrics())
+    With the drop-in scaler, call ``recorder.step(scaler, loss=loss, grad_norm=norm)`` after
+    each ``scaler.update()``, and ``recorder.close(scaler)`` after the last step. With the
+    engine in a hand loop, whose ``backward`` and ``step`` feed its own reducer, call
+    ``recorder.log(amp.collect_metrics())`` at each logging step.
 
     Args:
         directory: the run folder (the one ``distamp report`` is given).
