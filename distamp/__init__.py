@@ -28,6 +28,7 @@ from distamp.engine.checkpoint import CheckpointError
 from distamp.engine.config import check_settings
 from distamp.engine.guards import ConsecutiveSkipsError, SpikeGuard
 from distamp.observe.metrics import StepResult, WindowStats
+from distamp.observe.recorder import MetricsRecorder
 from distamp.observe.telemetry import Telemetry
 from distamp.observe.writers import ProgressPrinter, make_writer
 from distamp.optim import MasterWeightOptimizer, WeightPrecision, master_weights
@@ -77,6 +78,7 @@ __all__ = [
     "init_distributed",
     "shutdown_distributed",
     # metrics, and per-module telemetry (what `distamp report` draws)
+    "MetricsRecorder",
     "ProgressPrinter",
     "Telemetry",
     "WindowStats",

@@ -50,6 +50,7 @@ from distamp.model_names import model_name
 from distamp.observe.diagnostics import NonFiniteTracer
 from distamp.observe.metrics import Metrics, StepResult
 from distamp.observe.numerics import NumericStats
+from distamp.observe.run_settings import write_settings
 from distamp.observe.telemetry import Telemetry
 from distamp.optim import MasterWeightOptimizer, WeightPrecision
 from distamp.optim.accounting import bytes_held
@@ -157,6 +158,11 @@ class DistAMP(EnginePersistence, RunLoop):
     after a real optimizer step, so a skipped step does not advance the learning rate; do not
     step it yourself."""
     metrics: Metrics  # on-device window counters, reduced at logging steps
+    settings: dict[str, Any]
+    """The settings every rank agreed on at :meth:`setup` (empty before): ``max_grad_norm``,
+    the precision, the strategy, the scaler's... What the run records of itself: with
+    ``telemetry`` they are written to ``DIR/settings.json`` for ``distamp report``, and a hand
+    loop passes them to :class:`~distamp.MetricsRecorder`."""
     tracer: NonFiniteTracer | None  # forward non-finite tracing (trace_nonfinite=True)
     fp8: Float8Training | None  # torchao float8 layers and their FSDP2 weight scales
     adaptive: AdaptiveRun | None  # numeric monitor + adaptive precision (precision/adaptive_run.py)
@@ -220,7 +226,7 @@ class DistAMP(EnginePersistence, RunLoop):
         )
         self.strategy, self.mp_owner, self.device = strategy, "none", torch.device("cpu")
         self.scaler = scaler if scaler is not None else DistributedGradScaler("cpu", enabled=False)
-        self.scheduler, self.metrics = None, Metrics(self.device)
+        self.scheduler, self.metrics, self.settings = None, Metrics(self.device), {}
         self.tracer, self.fp8, self.comm_hook_state, self.quorum = None, None, None, None
         self.adaptive, self.skips, self.unused = None, SkipReports(), None
         self.guards = StepGuards(self.config.spike_guard, self.config.max_consecutive_skips)
@@ -283,7 +289,9 @@ class DistAMP(EnginePersistence, RunLoop):
         model, stages, self.strategy = arrival.model, arrival.stages, arrival.strategy
         self.mp_owner = select_mp_owner(cfg.precision, self.strategy, self.device.type)
         # Before wrapping, whose collectives would hang or diverge on ranks built differently.
-        check_setup(cfg, self.strategy, self.device, model, optimizer, scheduler)
+        self.settings = check_setup(cfg, self.strategy, self.device, model, optimizer, scheduler)
+        if cfg.telemetry is not None:  # the report states the run's settings, never guesses
+            write_settings(cfg.telemetry.directory, self.settings)
         names = {id(p): model_name(n, model) for n, p in model.named_parameters()}
         model = model.to(self.device)
         # 16-bit weights before any wrapper sees them (DDP's buckets take the parameters' dtype)

@@ -50,6 +50,8 @@ class Engine(Protocol):
 
     def step(self) -> StepResult: ...
 
+    def collect_metrics(self, *, stop: bool = False) -> WindowStats: ...
+
     def save_state(self, directory: str | Path, *, keep: int = 2) -> Path: ...
 
 
@@ -135,9 +137,7 @@ class RunLoop:
                 on_step(done)
             if done % log_interval == 0 or done == steps:
                 stop = bool(stop_requested()) if stop_requested is not None else False
-                with named_collective("metrics collection at a logging step", cfg_timeout):
-                    stats = self.metrics.collect(step=done, scaler=self.scaler, stop=stop)
-                    stats = self.skips.diagnose(stats, self.scaler, self.fp8)
+                stats = self.collect_metrics(stop=stop)
                 if on_log is not None:
                     on_log(stats)
                 if stats.stop:
@@ -152,6 +152,21 @@ class RunLoop:
         if checkpoint_dir is not None and saved_at != self.step_count:
             self.save_state(checkpoint_dir)
         return stats
+
+    def collect_metrics(self: Engine, *, stop: bool = False) -> WindowStats:
+        """Close the metrics window at a logging step: what :meth:`fit` logs, for a hand loop
+        over :meth:`backward_and_step` (hand it to :meth:`distamp.MetricsRecorder.log` for the
+        report's ``metrics.jsonl``). The window holds the steps since the previous call.
+
+        Collective (one all-reduce; the overflow report's gather when the window skipped) with
+        the reducer's host reads: call it on every rank at the same step.
+
+        Args:
+            stop: this rank's wish to stop; the window's ``stop`` is true if any rank wished it.
+        """
+        with named_collective("metrics collection at a logging step", self.config.timeout):
+            stats = self.metrics.collect(step=self.step_count, scaler=self.scaler, stop=stop)
+            return self.skips.diagnose(stats, self.scaler, self.fp8)
 
     def scaled_loss_fn(
         self: Engine, loss_fn: Callable[..., torch.Tensor]

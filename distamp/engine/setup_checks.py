@@ -164,18 +164,24 @@ def check_setup(
     model: Any,
     optimizer: Any,
     scheduler: Any,
-) -> None:
+) -> dict[str, Any]:
     """What can only be checked at setup, once the strategy and device are resolved (the
     model's type is checked before, by :func:`check_model`): the optimizer, scheduler and scaler
     passed (``TypeError``/``ValueError``), a sparse gradient under a hook that cannot carry it
     (:func:`~distamp.parallel.ddp.check_sparse_gradients`), then, in one collective, that every
-    rank has the same settings (:class:`~distamp.cluster.SettingsMismatchError` on every rank)."""
+    rank has the same settings (:class:`~distamp.cluster.SettingsMismatchError` on every rank).
+
+    Returns:
+        The settings compared (:func:`engine_settings`), identical on every rank: what the run
+        records of itself (``DistAMP.settings``, ``DIR/settings.json``)."""
     check_optimizer(optimizer, model)
     check_parameter_dtypes(model, cfg.precision, owner="DistAMP.setup(model=...)")
     check_scaler(cfg, device)
     _check_combinations(cfg, strategy, optimizer, scheduler)
     check_sparse_gradients(model, cfg.comm_hook)
-    agree_settings(engine_settings(cfg, strategy, device), what="DistAMP")
+    settings = engine_settings(cfg, strategy, device)
+    agree_settings(settings, what="DistAMP")
+    return settings
 
 
 def _check_combinations(cfg: AMPConfig, strategy: str, optimizer: Any, scheduler: Any) -> None:

@@ -76,6 +76,10 @@ class NumericStats:
         fp8_flush: float8 layer name -> the largest fraction, at this reporting step, of its
             nonzero input elements that e4m3 under dynamic tensorwise scaling rounds to zero
             (measured whether the layer runs in fp8 or was promoted to bf16).
+        silent: watched modules whose forward never ran as a module call since the monitor
+            was attached (``nn.MultiheadAttention``'s ``out_proj``: the attention reads its
+            weights directly). Their headroom is 0 because nothing was measured, not because
+            they are safe; the report draws them as "no data".
     """
 
     step: int
@@ -83,6 +87,7 @@ class NumericStats:
     underflow: dict[str, float] = field(default_factory=dict)
     skips: tuple[tuple[int, str | None], ...] = ()
     fp8_flush: dict[str, float] = field(default_factory=dict)
+    silent: tuple[str, ...] = ()
 
     @property
     def first_nonfinite(self) -> str | None:
@@ -408,15 +413,25 @@ class NumericMonitor:
             if i != -2
         )
         headroom, underflow, flush = self._named(self._agreed_stats)
-        self.latest = NumericStats(self.step, headroom, underflow, skips, flush)
+        silent = self._silent()
+        self.latest = NumericStats(self.step, headroom, underflow, skips, flush, silent)
         mine = self._named(self._local_stats)  # this rank's own numbers, before agreeing
-        self.latest_local = NumericStats(self.step, mine[0], mine[1], skips, mine[2])
+        self.latest_local = NumericStats(self.step, mine[0], mine[1], skips, mine[2], silent)
         self._firsts, self._agreed_stats, self._underflow = [], None, None
         self._local_stats = None
         self._flush.zero_()
         if self._window_amax is not None:
             self._window_amax.zero_()
         return self.latest
+
+    def _silent(self) -> tuple[str, ...]:
+        """The watched modules no forward hook has fired for yet (their stamp is still "never"):
+        host sync, at a reporting step only (the report reads the device anyway)."""
+        if not self.modules:
+            return ()
+        never = torch.iinfo(torch.int64).max
+        unseen = (self._stamp == never).tolist()  # host sync: reporting step
+        return tuple(n for n, u in zip(self.names, unseen, strict=True) if u)
 
     def _named(
         self, stats: torch.Tensor | None

@@ -2,10 +2,12 @@
 
 What it reads from the run folder ``DIR``:
 
-- ``metrics.jsonl``: one line per logging window (the main job's ``--out DIR``, any loop that
-  logs through :class:`~distamp.ProgressPrinter` or a
-  :class:`~distamp.observe.writers.JSONLWriter`), for the loss, the loss scale, the skips, the
-  gradient norm and the bytes on the wire;
+- ``metrics.jsonl``: one line per logging window (the main job's ``--out DIR``, ``fit`` logging
+  through :class:`~distamp.ProgressPrinter`, a loop of one's own through
+  :class:`~distamp.MetricsRecorder`), for the loss, the loss scale, the skips, the gradient
+  norm and the bytes on the wire; a folder without it is said to lack it;
+- ``settings.json``: the settings the run recorded (:mod:`distamp.observe.run_settings`), so
+  that the report says whether the run clipped rather than guessing it from a missing norm;
 - ``telemetry/rank<r>.jsonl``: every rank's per-module records (:class:`~distamp.Telemetry`),
   for the headroom and underflow heatmaps, the precision changes, the fp8 layers, the skips'
   blame and each rank's own numbers.
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from distamp.observe.report_plots import FIGURES, RunData
+from distamp.observe.run_settings import read_settings
 from distamp.observe.telemetry import read_telemetry
 
 __all__ = ["ReportError", "draw_report", "load_run", "summary", "write_report"]
@@ -57,12 +60,18 @@ def load_run(directory: str | Path) -> RunData:
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int):
                 windows.append(record)
-    run = RunData(windows=windows, telemetry=read_telemetry(root))
+    run = RunData(
+        windows=windows,
+        telemetry=read_telemetry(root),
+        metrics_file=metrics.is_file(),
+        settings=read_settings(root),
+    )
     if not run.windows and not run.telemetry:
         raise ReportError(
             f"{root} holds neither {METRICS} nor telemetry/rank<r>.jsonl: train with --out "
             f"{root} (the main job), or log windows with ProgressPrinter(jsonl=DIR/{METRICS}) "
-            "and pass DistAMP(telemetry=distamp.Telemetry(DIR))"
+            "(fit) or distamp.MetricsRecorder(DIR) (a loop of one's own), and pass "
+            "DistAMP(telemetry=distamp.Telemetry(DIR))"
         )
     return run
 

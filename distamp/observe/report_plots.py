@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,21 @@ class RunData:
 
     windows: list[dict[str, Any]] = field(default_factory=list)
     telemetry: dict[int, list[TelemetryRecord]] = field(default_factory=dict)
+    metrics_file: bool = True  # whether the folder has a metrics.jsonl at all
+    settings: dict[str, Any] = field(default_factory=dict)  # settings.json: what the run recorded
+
+    def clipping(self) -> tuple[bool, float | None]:
+        """``(known, max_grad_norm)``: whether the run recorded its clipping setting, and that
+        setting (``None``: it did not clip). Never guessed from a missing norm: a loop may clip
+        without logging the norm."""
+        if "max_grad_norm" not in self.settings:
+            return False, None
+        value = self.settings["max_grad_norm"]
+        return True, float(value) if isinstance(value, (int, float)) else None
+
+    def silent(self) -> set[str]:
+        """Watched modules that never ran as a module call at some sample (no data there)."""
+        return {n for r in self.records for n in r.silent}
 
     @property
     def records(self) -> list[TelemetryRecord]:
@@ -122,9 +138,19 @@ def _mark_skips(ax: Any, skips: Sequence[Skip]) -> None:
             )
 
 
+MISSING = (
+    "no metrics.jsonl in the run folder: fit writes it through ProgressPrinter(jsonl=...),\n"
+    "a loop of one's own through distamp.MetricsRecorder(DIR)"
+)
+"""What a figure drawn from the windows says when the folder has no ``metrics.jsonl``."""
+
+
 def loss_and_scale(run: RunData) -> tuple[Any, str]:
     fig, ax = _figure()
     steps, loss = run.series("loss")
+    if not run.metrics_file:
+        _empty(ax, MISSING)
+        return fig, "Loss and loss scale: metrics.jsonl is missing, so nothing is drawn."
     if not steps:
         _empty(ax, "no loss was logged (metrics.jsonl holds no 'loss')")
         return fig, "Loss and loss scale: nothing logged."
@@ -154,7 +180,7 @@ def grad_norm(run: RunData) -> tuple[Any, str]:
     fig, ax = _figure(2.6)
     steps, norms = run.series("grad_norm")
     if not steps:
-        _empty(ax, "no gradient norm: the run did not clip (max_grad_norm=None)")
+        _empty(ax, _no_norm(run))
     else:
         ax.plot(steps, norms, color="tab:green", marker=".")
         ax.set_yscale("log")
@@ -169,28 +195,89 @@ def grad_norm(run: RunData) -> tuple[Any, str]:
     )
 
 
+NO_DATA = "0.82"  # the colour of a cell nothing was measured for: a grey in neither colour map
+
+
+def _colour_map(name: str) -> Any:
+    """matplotlib's colour map ``name`` with the "no data" grey for cells without a number."""
+    from matplotlib import colormaps
+
+    return colormaps[name].with_extremes(bad=NO_DATA)
+
+
+def _no_norm(run: RunData) -> str:
+    """Why the gradient-norm figure is empty, from what the run recorded only: a missing file
+    is said to be missing, and "did not clip" only when the run recorded that it did not."""
+    known, max_norm = run.clipping()
+    if not run.metrics_file:
+        if not known:
+            return MISSING
+        clip = "did not clip" if max_norm is None else f"clipped at max_grad_norm={max_norm:g}"
+        return f"{MISSING}\n(the run {clip})"
+    if not known:
+        return "no gradient norm in metrics.jsonl (the run recorded no clipping setting)"
+    if max_norm is None:
+        return "no gradient norm: the run did not clip (max_grad_norm=None)"
+    return (
+        f"no gradient norm in metrics.jsonl, although the run clipped (max_grad_norm={max_norm:g})"
+    )
+
+
+def _mark_no_data(ax: Any, grid: Any) -> None:
+    """Hatch every run of cells without a number, so that "no data" can never be read as the
+    scale's coolest colour, which means "safe"."""
+    from matplotlib.patches import Rectangle
+
+    for row, values in enumerate(grid):
+        col = 0
+        while col < len(values):
+            if not math.isnan(values[col]):
+                col += 1
+                continue
+            end = col
+            while end < len(values) and math.isnan(values[end]):
+                end += 1
+            box = Rectangle((col - 0.5, row - 0.5), end - col, 1.0, hatch="///", fill=False)
+            box.set_edgecolor("0.45")
+            box.set_linewidth(0.0)
+            ax.add_patch(box)
+            col = end
+
+
 def _heatmap(
-    ax: Any, records: Sequence[TelemetryRecord], key: str, *, log: bool, label: str
+    ax: Any,
+    records: Sequence[TelemetryRecord],
+    key: str,
+    *,
+    log: bool,
+    label: str,
+    silent: AbstractSet[str] = frozenset(),
 ) -> None:
     import numpy as np
 
     names = list(dict.fromkeys(n for r in records for n in getattr(r, key)))  # model order
 
     def value(r: TelemetryRecord, n: str) -> float:
+        if n in r.silent:  # never called as a module: its 0 is "nothing measured"
+            return math.nan
         v = getattr(r, key).get(n, math.nan)
         return 1.0 if log and math.isinf(v) else v
 
     grid = np.array([[value(r, n) for r in records] for n in names], dtype=float)
-    if len(names) > MAX_ROWS:  # the hottest rows
-        order = np.argsort(-np.nan_to_num(np.nanmax(grid, axis=1), nan=-1.0))[:MAX_ROWS]
+    if len(names) > MAX_ROWS:  # the hottest rows (a row without data counts as the coolest)
+        order = np.argsort(-np.where(np.isnan(grid), -1.0, grid).max(axis=1))[:MAX_ROWS]
         names, grid = [names[i] for i in sorted(order)], grid[sorted(order)]
     if log:
-        grid = np.log10(np.clip(grid, 1e-8, None))
-        image = ax.imshow(grid, aspect="auto", cmap="magma", vmin=-8, vmax=0)
-    else:
-        image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+        grid = np.log10(np.clip(grid, 1e-8, None))  # NaN stays NaN: no data
+    cmap = _colour_map("magma" if log else "viridis")
+    limits = (-8, 0) if log else (0, 1)
+    image = ax.imshow(
+        np.ma.masked_invalid(grid), aspect="auto", cmap=cmap, vmin=limits[0], vmax=limits[1]
+    )
+    _mark_no_data(ax, grid)
     ax.figure.colorbar(image, ax=ax, label=f"log10 {label.split(' (')[0]}" if log else label)
-    ax.set_yticks(range(len(names)), names, fontsize=7)
+    labels = [f"{n} (no data)" if n in silent else n for n in names]
+    ax.set_yticks(range(len(names)), labels, fontsize=7)
     steps = [r.step for r in records]
     ticks = list(range(0, len(steps), max(1, len(steps) // 10)))
     ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
@@ -198,21 +285,42 @@ def _heatmap(
 
 
 def _heatmap_figure(
-    records: Sequence[TelemetryRecord], key: str, *, log: bool, label: str, title: str, empty: str
+    records: Sequence[TelemetryRecord],
+    key: str,
+    *,
+    log: bool,
+    label: str,
+    title: str,
+    empty: str,
+    silent: AbstractSet[str] = frozenset(),
 ) -> Any:
     """A figure holding one heatmap of ``key`` (rows: names, columns: samples), sized to its
-    rows; ``empty`` is said instead when no record has any."""
+    rows; ``empty`` is said instead when no record has any. ``silent``: rows of modules never
+    called as a module, labelled "no data"."""
     rows = len({n for r in records for n in getattr(r, key)})
     fig, ax = _figure(1.6 + 0.18 * min(max(rows, 1), MAX_ROWS) if rows else 2.0)
     if rows:
-        _heatmap(ax, records, key, log=log, label=label)
+        _heatmap(ax, records, key, log=log, label=label, silent=silent)
     else:
         _empty(ax, empty)
     ax.set_title(title)
     return fig
 
 
+def _no_data_line(silent: AbstractSet[str]) -> str:
+    """The caption's line on the rows drawn as "no data", naming them."""
+    if not silent:
+        return ""
+    names = ", ".join(sorted(silent)[:6]) + (", ..." if len(silent) > 6 else "")
+    return (
+        f" No data (grey, hatched): {names} never ran as a module call, so nothing was "
+        "measured there (its parent uses its weights directly, as nn.MultiheadAttention does "
+        "with out_proj); that is not the same as safe."
+    )
+
+
 def headroom_heatmap(run: RunData) -> tuple[Any, str]:
+    silent = run.silent()
     fig = _heatmap_figure(
         run.records,
         "headroom",
@@ -220,12 +328,14 @@ def headroom_heatmap(run: RunData) -> tuple[Any, str]:
         label="headroom (|output| / format max)",
         title="Activation headroom per module",
         empty="no headroom was sampled",
+        silent=silent,
     )
     return fig, (
         "Each module's largest |output| since the previous sample over its format's maximum "
         "(fp16 65504, bf16 3.4e38, e4m3 448), agreed over ranks, on a log10 colour scale: 0 "
         "(white) is the limit itself, an overflow is drawn at 0. A row creeping towards white is "
         "the next module to overflow; the adaptive rules promote such modules."
+        + _no_data_line(silent)
     )
 
 
@@ -282,6 +392,7 @@ def fp8_status(run: RunData) -> tuple[Any, str]:
         label="fraction flushed to zero",
         title="fp8 layers: input flushed to zero in e4m3",
         empty="no float8 layers in this run",
+        silent=run.silent(),
     )
     return fig, (
         "For each float8 layer, the fraction of its nonzero input that e4m3 under dynamic "
@@ -315,7 +426,9 @@ def rank_headroom(run: RunData) -> tuple[Any, str]:
 def wire_bytes(run: RunData) -> tuple[Any, str]:
     fig, ax = _figure(2.4)
     steps, payload = run.series("grad_bytes")
-    if not steps:
+    if not run.metrics_file:
+        _empty(ax, MISSING)
+    elif not steps:
         _empty(ax, "gradient bytes were not counted on this path")
     else:
         ax.plot(steps, [b / 2**20 for b in payload], color="tab:brown", marker=".")

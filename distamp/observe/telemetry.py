@@ -73,6 +73,8 @@ class TelemetryRecord:
         changes: precision promotions/demotions and backward-scale changes made since the
             previous sample, each a dict (``step``, ``module`` or ``block``, ``before``,
             ``after``, ``reason``).
+        silent: watched modules that never ran as a module call (their numbers are "no
+            data", not zero; see :attr:`~distamp.observe.numerics.NumericStats.silent`).
     """
 
     step: int
@@ -89,12 +91,14 @@ class TelemetryRecord:
     nonfinite: dict[str, int] = field(default_factory=dict)
     grad_exponents: dict[str, int] = field(default_factory=dict)
     changes: tuple[dict[str, Any], ...] = ()
+    silent: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """Every field, JSON-ready (non-finite numbers as ``None``: JSON has no inf)."""
         out = dataclasses.asdict(self)
         out["skips"] = [list(s) for s in self.skips]
         out["changes"] = list(self.changes)
+        out["silent"] = list(self.silent)
         return _finite(out)
 
     def as_metrics(self, prefix: str = "telemetry/") -> dict[str, float]:
@@ -138,6 +142,7 @@ class TelemetryRecord:
             values[key] = {k: math.inf if v is None else v for k, v in values.get(key, {}).items()}
         values["skips"] = tuple((int(s), m) for s, m in values.get("skips", ()))
         values["changes"] = tuple(values.get("changes", ()))
+        values["silent"] = tuple(str(n) for n in values.get("silent", ()))
         return cls(**values)
 
 
@@ -234,6 +239,7 @@ class Telemetry:
             nonfinite=dict(Counter(m for _, m in stats.skips if m is not None)),
             grad_exponents=dict(grad_exponents or {}),
             changes=tuple(_change_dict(c) for c in changes),
+            silent=tuple(stats.silent),
         )
         path = self.path(rank)
         path.parent.mkdir(parents=True, exist_ok=True)
