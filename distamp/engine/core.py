@@ -336,7 +336,7 @@ class DistAMP(EnginePersistence, RunLoop):
         if rules is not None and isinstance(optimizer, MasterWeightOptimizer):
             rules.exact_weights = optimizer.exact_weight  # promoted islands read the masters
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
-        self.ownership.arm(_stepped_by_the_engine(optimizer, given), scheduler)
+        self.ownership.arm(optimizer, given, scheduler)
         traffic = grad_traffic(wrapped, self.strategy, self.comm_hook_state, ft is not None)
         self.metrics = Metrics(
             self.device,
@@ -493,17 +493,3 @@ class DistAMP(EnginePersistence, RunLoop):
         self.scaler = DistributedGradScaler("cpu", enabled=False)  # it held group handles
         leave_group(owned=self._owns_group)  # the group destroyed only if setup made it
         self._owns_group = False
-
-
-def _stepped_by_the_engine(
-    optimizer: torch.optim.Optimizer, given: OptimizerArg
-) -> list[torch.optim.Optimizer]:
-    """Every optimizer whose step outside the engine would change the model: the one setup
-    returns, the instance the user passed (the same one, or rebuilt for FSDP), and a
-    master-weight optimizer's inner torch optimizer (it shares the parameter groups)."""
-    out = [optimizer]
-    if isinstance(given, torch.optim.Optimizer):
-        out.append(given)
-    if isinstance(optimizer, MasterWeightOptimizer):
-        out.append(optimizer.inner)
-    return out

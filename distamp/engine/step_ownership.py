@@ -25,13 +25,14 @@ not go through the engine: they register no hook here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from distamp.optim import MasterWeightOptimizer
 from distamp.torch_compat import is_state_materialisation
 
 __all__ = ["StepOwnership"]
@@ -50,9 +51,16 @@ class StepOwnership:
         self.scheduler: Any = None
         self.epoch: int | None = None  # the scheduler's last_epoch as the engine left it
 
-    def arm(self, optimizers: Iterable[torch.optim.Optimizer], scheduler: Any) -> None:
-        """Refuse steps of each of ``optimizers`` (each once) outside :meth:`engine_steps`,
-        and watch ``scheduler`` (``None``: none)."""
+    def arm(self, optimizer: torch.optim.Optimizer, given: Any, scheduler: Any) -> None:
+        """Refuse steps outside :meth:`engine_steps` of every optimizer whose step would change
+        the model: ``optimizer`` (the one setup returns), ``given`` when it is an instance (the
+        same one, or the one rebuilt for FSDP), and a master-weight optimizer's inner torch
+        optimizer (it shares the parameter groups); and watch ``scheduler`` (``None``: none)."""
+        optimizers = [optimizer]
+        if isinstance(given, torch.optim.Optimizer):
+            optimizers.append(given)
+        if isinstance(optimizer, MasterWeightOptimizer):
+            optimizers.append(optimizer.inner)
         seen: set[int] = set()
         for optimizer in optimizers:
             if id(optimizer) in seen or not hasattr(optimizer, "register_step_pre_hook"):
