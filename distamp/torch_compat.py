@@ -49,6 +49,7 @@ __all__ = [
     "grad_scaler_scale",
     "group_by_device_and_dtype",
     "in_recomputation",
+    "is_state_materialisation",
     "compiled_backward_without_autocast",
     "is_pipeline_stage",
     "wrapped_attribute",
@@ -147,6 +148,22 @@ def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     "Detected call of `lr_scheduler.step()` before `optimizer.step()`" without it (checked on
     torch 2.11-2.13)."""
     optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def is_state_materialisation(
+    optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """Whether an ``optimizer.step`` call about to run is torch's materialisation of a fresh
+    optimizer's state for ``torch.distributed.checkpoint`` (``get_state_dict`` and friends
+    build the state entries to save or load into by stepping once): no state yet, every
+    learning rate set to zero, and the call ``step(closure=None)`` exactly. Such a step moves
+    no parameter, so the engine's refusal of steps outside it lets it through (checked on
+    torch 2.11-2.13, ``torch.distributed.checkpoint.state_dict._init_optim_state``)."""
+    rest = args[1:] if args and args[0] is optimizer else args  # a step hook sees the self
+    if rest or kwargs != {"closure": None} or optimizer.state:
+        return False
+    # A tensor learning rate is torch's own zero on the CPU: no device is read.
+    return all(float(group.get("lr", 0.0)) == 0.0 for group in optimizer.param_groups)
 
 
 def checkpoint_recomputation(frame: Any) -> tuple[Any, str] | None:

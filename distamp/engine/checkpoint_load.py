@@ -31,6 +31,7 @@ from distamp.engine.checkpoint_layout import (
     unreadable,
 )
 from distamp.engine.checkpoint_masters import apply_masters_, masters_for_load
+from distamp.engine.checkpoint_optimizer import missing_entries, optimizer_mismatch
 from distamp.engine.integrity import LISTING, read_listing, verify_files
 from distamp.engine.rng import check_rng, restore_rng
 
@@ -104,6 +105,17 @@ def read_checkpoint(
     if read is None:
         return None
     error = model_mismatch(read.path / "state", root, model)  # collective: on every rank
+    if error is None:  # the optimizer's class and groups, from the metadata alone
+        rank, world = rank_and_world()
+        meta = read.trainer["meta"]
+        error = optimizer_mismatch(
+            meta.get("optimizer"),
+            _optimizer_entries(read.path / "state"),
+            optimizer,
+            checkpoint=str(read.path),
+            rank=rank,
+            world=world,
+        )
     refused = False
     if error is None and check is not None:
         try:
@@ -154,6 +166,18 @@ def _read_files(root: Path) -> CheckpointRead | None:
     return CheckpointRead(path, trainer, rng, world_saved, own)
 
 
+def _optimizer_entries(state_dir: Path) -> list[str]:
+    """The optimizer's flattened entry names in DCP's metadata (``"optim."`` off); empty when
+    the metadata cannot be read (:func:`model_mismatch` has refused such a checkpoint)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        saved = FileSystemReader(str(state_dir)).read_metadata().state_dict_metadata
+    except Exception:  # a missing or corrupted .metadata: refused by model_mismatch already
+        return []
+    return [k.removeprefix("optim.") for k in saved if k.startswith("optim.")]
+
+
 def _check_dict(state: Any) -> None:
     if not isinstance(state, dict):
         raise ValueError(f"expected a dict, got {type(state).__name__}")
@@ -185,16 +209,27 @@ def apply_checkpoint(
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = read.path
+    fresh = not optimizer.state  # torch materialises a fresh optimizer's state for the load
     msd, osd = get_state_dict(model, optimizer, options=state_dict_options())
     left_out = masters_for_load(model, optimizer, msd, osd)  # fp32 masters read as such
     state: dict[str, Any] = {"model": msd, "optim": osd}
+    # Another optimizer's state (what only the materialised template shows): refused on every
+    # rank before DCP reads, with the materialised state dropped again.
+    error = missing_entries(osd, _optimizer_entries(path / "state"), optimizer, str(path))
+    failures, _ = agree_failures(error)
+    if failures:
+        if fresh:
+            optimizer.state.clear()
+        raise CheckpointError("; ".join(failures))
     try:
         with single_process_quiet():
             dcp_load(state, checkpoint_id=path / "state", no_dist=not is_distributed())
     except failures_of_a_save_or_load() as exc:
         # DCP has already agreed on the failure across ranks (it gathers every rank's
         # exception), so every rank raises here and none is left waiting in a collective.
-        raise unreadable(path / "state", exc, path.parent) from exc
+        if fresh:
+            optimizer.state.clear()
+        raise unreadable(path / "state", exc, path.parent) from None
     set_state_dict(
         model,
         optimizer,

@@ -34,6 +34,7 @@ from distamp.engine.checkpoint_layout import (
     state_dict_options,
 )
 from distamp.engine.checkpoint_masters import masters_for_save
+from distamp.engine.checkpoint_optimizer import optimizer_layout
 from distamp.engine.integrity import file_digest, listed_files, share, write_listing
 from distamp.engine.rng import capture_rng
 
@@ -109,6 +110,7 @@ def save_checkpoint(
     _agree_on_save(error, tmp, "could not create the checkpoint directory on every rank")
     msd, osd = get_state_dict(model, optimizer, options=state_dict_options())
     masters_for_save(model, optimizer, msd, osd)  # 16-bit weights: their fp32 masters instead
+    layout = optimizer_layout(optimizer)  # collective: what a load compares its optimizer with
     try:
         with single_process_quiet():  # DCP fsyncs the files it writes
             dcp_save(
@@ -120,7 +122,8 @@ def save_checkpoint(
         if rank_state is not None:
             _save_synced(rank_state, tmp / f"rank_{rank}.pt")
         if rank == 0:
-            meta = {"format": FORMAT_VERSION, "step": step, "world_size": world}
+            meta: dict[str, Any] = {"format": FORMAT_VERSION, "step": step, "world_size": world}
+            meta["optimizer"] = layout  # what a load compares its optimizer with
             _save_synced({**trainer_state, "meta": meta}, tmp / "trainer.pt")
     except failures_of_a_save_or_load() as exc:
         error = f"could not write {tmp}: {cause_of(exc)}"

@@ -38,6 +38,7 @@ from distamp.engine.lifecycle import join_group, leave_group
 from distamp.engine.loop import RunLoop
 from distamp.engine.persistence import EnginePersistence
 from distamp.engine.setup_checks import OptimizerArg, SchedulerArg, check_setup, checked_scheduler
+from distamp.engine.step_ownership import StepOwnership
 from distamp.engine.weights import cast_weights, master_optimizer
 from distamp.engine.wrapping import (
     connect_scaler,
@@ -175,6 +176,7 @@ class DistAMP(EnginePersistence, RunLoop):
     cycle: MicroBatchCycle  # backward() calls since the last step(), and their call order
     skips: SkipReports  # skipped steps reported at logging steps; the scale-health warning
     guards: StepGuards  # the spike guard and the consecutive-skip limit (either may be off)
+    ownership: StepOwnership  # steps of the optimizer or scheduler outside the engine: refused
     _model: nn.Module | None  # the wrapped model (None before setup and after close)
     _optimizer: torch.optim.Optimizer | None
     _owns_group: bool  # setup() created the process group, so close() destroys it
@@ -231,6 +233,7 @@ class DistAMP(EnginePersistence, RunLoop):
         self.adaptive, self.skips, self.unused = None, SkipReports(), None
         self.guards = StepGuards(self.config.spike_guard, self.config.max_consecutive_skips)
         self.step_count, self.cycle = 0, MicroBatchCycle(self.config.grad_accum_steps)
+        self.ownership = StepOwnership()
         self._model, self._optimizer, self._owns_group = None, None, False
 
     @property
@@ -274,6 +277,9 @@ class DistAMP(EnginePersistence, RunLoop):
         "fsdp"/"fsdp2" (same class, groups matched by name, hyper-parameters; a warning): use
         the returned one; one that has stepped raises ``ValueError``. The scheduler (instance
         driving that optimizer, or factory ``lambda opt: ...``) ends up in :attr:`scheduler`.
+        The engine steps both: an ``optimizer.step()`` outside it raises before anything is
+        applied, and a scheduler stepped by hand is refused at the next engine call
+        (:mod:`distamp.engine.step_ownership`).
         Then the ranks' settings are compared (one collective; see :mod:`distamp.engine.config`).
 
         Returns:
@@ -282,6 +288,7 @@ class DistAMP(EnginePersistence, RunLoop):
         if self._model is not None:
             raise RuntimeError("DistAMP.setup() was already called: use one DistAMP per model")
         self._owns_group = join_group(self.config.timeout)
+        given = optimizer  # an instance stepped by hand is refused too, even once rebuilt
         cfg, ft = self.config, self.config.ft_manager
         self.device = training_device(cfg)
         # A stage or stages, a model already parallelised, torchft replicas: the strategy.
@@ -338,6 +345,7 @@ class DistAMP(EnginePersistence, RunLoop):
         if rules is not None and isinstance(optimizer, MasterWeightOptimizer):
             rules.exact_weights = optimizer.exact_weight  # promoted islands read the masters
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
+        self.ownership.arm(optimizer, given, scheduler)
         traffic = grad_traffic(wrapped, self.strategy, self.comm_hook_state, ft is not None)
         self.metrics = Metrics(
             self.device,
@@ -397,6 +405,7 @@ class DistAMP(EnginePersistence, RunLoop):
                 forward did not use on some rank; names the parameters and the fix.
         """
         tokens = self.cycle.check_backward(loss, tokens, set_up=self._model is not None)
+        self.ownership.check("backward")
         if self.quorum is not None:  # the forward ran outside autocast(): the quorum is due
             self.quorum.begin()
         self.metrics.record(loss, tokens)
@@ -427,6 +436,7 @@ class DistAMP(EnginePersistence, RunLoop):
         """
         opt, scaler, norm = self.optimizer, self.scaler, None
         self.cycle.check_step()
+        self.ownership.check("step")
         # An adaptive run watches the scaler: it reads and decides inside the scaler's calls.
         with named_collective("step (overflow flag and norm agreement)", self.config.timeout):
             # 1. clip: unscale + overflow check + norm in one pass and the step's one
@@ -439,7 +449,8 @@ class DistAMP(EnginePersistence, RunLoop):
             #    optimizer; the update still ends the scaler's iteration (not backed off unless
             #    the gradients also overflowed), after a measuring clip that reads the flags.
             if not spike:
-                scaler.step(opt)
+                with self.ownership.engine_steps():  # the optimizer's step hook lets it pass
+                    scaler.step(opt)
             elif norm is None:  # the flags read without dividing 16-bit gradients in place
                 scaler.clip_grad_norm_(opt, math.inf)
             scaler.update()
@@ -451,6 +462,7 @@ class DistAMP(EnginePersistence, RunLoop):
         # 6. the scheduler, only after a real optimizer step (host sync, see docstring)
         if self.scheduler is not None and result.stepped:
             self.scheduler.step()
+            self.ownership.resync()
         # 7. next cycle: gradients released, metrics counted, the skip streak checked
         release_grads(opt)
         if self.quorum is not None:  # torchft: the next forward asks for the next quorum
@@ -464,6 +476,7 @@ class DistAMP(EnginePersistence, RunLoop):
     def backward_and_step(self, loss: torch.Tensor, *, tokens: int = 0) -> StepResult | None:
         """``backward(loss)``, then ``step()`` if that completed an accumulation cycle: the
         :class:`StepResult`, or ``None`` after a micro-batch that did not step."""
+        self.ownership.check("backward_and_step")
         self.backward(loss, tokens=tokens)
         return self.step() if self.cycle.complete else None
 
@@ -481,6 +494,7 @@ class DistAMP(EnginePersistence, RunLoop):
         if is_distributed():
             dist.barrier()
         detach_instruments(self.scaler, self.tracer, self.adaptive)
+        self.ownership.release()
         self._model = self._optimizer = self.scheduler = self.tracer = self.quorum = None
         self.comm_hook_state = self.unused = None
         if self.fp8 is not None:  # its weight scales hold the model's float8 layers

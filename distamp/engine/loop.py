@@ -20,6 +20,7 @@ from distamp.arguments import ArgumentTypeError, integer_or_none
 from distamp.cluster import check_shared_directory, named_collective
 from distamp.engine.accounting import MicroBatchCycle, SkipReports
 from distamp.engine.config import AMPConfig
+from distamp.engine.step_ownership import StepOwnership
 from distamp.observe.metrics import Metrics, StepResult, WindowStats
 from distamp.precision.fp8 import Float8Training
 from distamp.scaler import DistributedGradScaler
@@ -38,6 +39,7 @@ class Engine(Protocol):
     metrics: Metrics
     scaler: DistributedGradScaler
     fp8: Float8Training | None
+    ownership: StepOwnership
 
     @property
     def model(self) -> nn.Module: ...
@@ -117,6 +119,7 @@ class RunLoop:
             checkpoint_dir=checkpoint_dir,
             checkpoint_interval=checkpoint_interval,
         )
+        self.ownership.check("fit")  # a scheduler stepped by hand before the run
         steps, tokens_per_batch = args["steps"], args["tokens_per_batch"]
         log_interval, checkpoint_interval = args["log_interval"], args["checkpoint_interval"]
         n, stats, model = self.config.grad_accum_steps, None, self.model
@@ -198,6 +201,7 @@ class RunLoop:
         self.cycle.require_idle(
             "pipeline_step() after backward(): a pipeline schedule runs its own backward"
         )
+        self.ownership.check("pipeline_step")
         timeout = self.config.timeout
         with self.autocast(), named_collective("pipeline schedule (stage send/recv)", timeout):
             schedule.step(*args, **kwargs)

@@ -24,6 +24,7 @@ from distamp.engine.checkpoint import apply_checkpoint, read_checkpoint, save_ch
 from distamp.engine.config import AMPConfig
 from distamp.engine.guards import StepGuards
 from distamp.engine.resume import check_resume
+from distamp.engine.step_ownership import StepOwnership
 from distamp.observe.metrics import Metrics
 from distamp.parallel.comm_hooks import comm_state_dict, load_comm_state
 from distamp.precision.adaptive_run import AdaptiveRun
@@ -48,6 +49,7 @@ class Persisted(Protocol):
     adaptive: AdaptiveRun | None
     fp8: Float8Training | None
     comm_hook_state: Any
+    ownership: StepOwnership
 
     @property
     def precision(self) -> Precision: ...
@@ -136,6 +138,7 @@ class EnginePersistence:
             if self.fp8 is not None:
                 self.fp8.after_step(self.model)  # the loaded weights' float8 scales
         self.step_count = read.checked.apply(self.scaler, self.scheduler, self.adaptive, self.skips)
+        self.ownership.resync()  # the restored scheduler count is the engine's own
         if self.guards.spike is not None and read.checked.spike_guard is not None:
             self.guards.spike.load_state_dict(read.checked.spike_guard)
             self.metrics.spike_skips = self.guards.spike.spike_skips
