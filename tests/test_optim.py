@@ -32,6 +32,7 @@ from distamp.optim.bits import (
     split_remainder_,
 )
 from distamp.optim.config import bytes_per_parameter
+from distamp.optim.draws import Draws
 from distamp.precision.policy import DEFAULT_FP32_MODULES
 
 INF, NAN = float("inf"), float("nan")
@@ -197,6 +198,30 @@ def test_the_in_place_stochastic_rounding_draws_the_same_stream() -> None:
     assert torch.equal(plain.get_state(), fused.get_state())
     with pytest.raises(ValueError, match="cannot be the master"):
         round_stochastic_(x, out, fused, x)
+
+
+@pytest.mark.parametrize("source", ["numpy", "torch"])
+def test_the_chunk_stream_draws_torch_randint_numbers(source: str) -> None:
+    """Draws (numpy's mt19937 on the CPU where it is torch's, else torch's generator): the
+    numbers torch.randint(0, 65536) draws after the same seed, call after call, and the same
+    roundings."""
+    for seed in (3, (1 << 40) + 5, (1 << 62) - 1):
+        draws = Draws(torch.Generator(), seed)
+        if source == "torch":
+            draws._numpy = None
+        else:
+            assert draws._numpy is not None  # numpy is a dependency, and its stream is torch's
+        gen = torch.Generator().manual_seed(seed)
+        for shape in (torch.Size([5, 7]), torch.Size([40_000]), torch.Size([1])):
+            expected = torch.randint(0, 1 << 16, shape, dtype=torch.int32, generator=gen)
+            work = torch.empty(shape.numel(), dtype=torch.int32)
+            assert torch.equal(draws.int16_range(shape, work), expected), (seed, shape)
+    x = _awkward_fp32().reshape(-1, 4)
+    draws = Draws(torch.Generator(), 11)
+    out = torch.empty_like(x, dtype=torch.bfloat16)
+    round_stochastic_(x, out, draws)
+    expected = round_stochastic(x, torch.Generator().manual_seed(11))
+    assert torch.equal(_bits(out), _bits(expected))
 
 
 def test_the_weight_is_within_half_a_bf16_step() -> None:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from distamp.optim.draws import Draws
+
 __all__ = [
     "join_remainder",
     "round_nearest_bf16",
@@ -143,21 +145,24 @@ def round_nearest_bf16(master: torch.Tensor) -> torch.Tensor:
 def round_stochastic_(
     master: torch.Tensor,
     out: torch.Tensor,
-    generator: torch.Generator | None,
+    generator: torch.Generator | Draws | None,
     work: torch.Tensor | None = None,
 ) -> None:
-    """:func:`round_stochastic` written into ``out`` (bf16, shaped like ``master``): the same
-    random numbers, drawn eagerly from ``generator`` into ``work`` (a 4-byte buffer of
-    ``master``'s size the rounding may overwrite, not ``master`` itself; ``None``: one is
-    allocated), so the values are :func:`round_stochastic`'s bit for bit."""
+    """:func:`round_stochastic` written into ``out`` (bf16, shaped like ``master``), with the
+    same random numbers, drawn eagerly: from ``generator`` as :func:`round_stochastic` draws
+    them, or from a :class:`~distamp.optim.draws.Draws` (the same stream, drawn faster). ``work``:
+    a 4-byte buffer of ``master``'s size the draw may fill, not ``master`` itself (``None``:
+    one is allocated where needed)."""
     bits = _bits(master)
-    into = _work(bits, work)
-    if into.data_ptr() == bits.data_ptr():
+    if work is not None and work.data_ptr() == bits.data_ptr():
         raise ValueError("round_stochastic_: the work buffer cannot be the master (it draws)")
-    # One 32-bit draw per element, in order: the stream round_stochastic draws.
-    into.random_(0, 1 << 16, generator=generator)
-    into.add_(bits).bitwise_right_shift_(16)
-    out.view(torch.int16).view(bits.shape).copy_(into)
+    if isinstance(generator, Draws):
+        noise = generator.int16_range(bits.shape, work)
+    else:
+        # One 32-bit draw per element, in order: the stream round_stochastic draws.
+        noise = _work(bits, work).random_(0, 1 << 16, generator=generator)
+    noise.add_(bits).bitwise_right_shift_(16)
+    out.view(torch.int16).view(bits.shape).copy_(noise)
 
 
 def round_stochastic(master: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -25,6 +25,7 @@ from torch import nn
 
 from distamp.optim.bits import round_stochastic_
 from distamp.optim.config import WeightPrecision
+from distamp.optim.draws import Draws
 from distamp.optim.rules import Rule, rule_for
 from distamp.optim.scratch import Scratch
 from distamp.optim.sharding import WeightGather, assign_owners
@@ -264,7 +265,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """Whether a step draws random numbers (stochastic weights, or bf16 moments)."""
         return self.precision.master == "stochastic" or self.precision.states == "bf16"
 
-    def _generator(self, device: torch.device, stream: tuple[int, int, int]) -> torch.Generator:
+    def _generator(self, device: torch.device, stream: tuple[int, int, int]) -> Draws:
         """The stochastic rounding's random stream on ``device`` for one chunk of one step:
         seeded from ``(seed, group, chunk, step)``, so every rank draws alike and a resumed
         run draws what the uninterrupted one drew (the step count rides in the group)."""
@@ -273,7 +274,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             gen = self.generators[device] = torch.Generator(device)
         group, chunk, step = stream
         key = ((self.seed * 1_000_003 + step) * 1_009 + group) * 100_003 + chunk
-        return gen.manual_seed(key % (1 << 62))
+        return Draws(gen, key % (1 << 62))
 
     # ------------------------------------------------------------------ what others read
     def master_tensors(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:

@@ -26,6 +26,7 @@ from distamp.optim.bits import (
     split_remainder_,
 )
 from distamp.optim.config import WeightPrecision
+from distamp.optim.draws import Draws
 
 __all__ = ["Master", "cast_parameters_", "local_tensor", "make_master", "shaped_like"]
 
@@ -112,7 +113,7 @@ class Master:
     def store_(
         self,
         master: torch.Tensor,
-        generator: torch.Generator | None,
+        generator: Draws | None,
         work: torch.Tensor | None = None,
         *,
         spent: bool = False,
@@ -137,7 +138,7 @@ class Master:
         self,
         w: torch.Tensor,
         master: torch.Tensor,
-        generator: torch.Generator | None,
+        generator: Draws | None,
         work: torch.Tensor | None,
         spent: bool,
     ) -> None:
