@@ -22,6 +22,7 @@ from torch import nn
 
 import distamp
 from distamp.optim import MasterWeightOptimizer, WeightPrecision, master_weights
+from distamp.optim import master as master_module
 from distamp.optim.bits import (
     join_remainder,
     round_nearest_bf16,
@@ -364,6 +365,35 @@ def test_sharded_master_rounds_its_weights_as_the_exact_one() -> None:
         assert _masters(opt)[0].item() == 1 + 2**-8  # a tie
         weights[master] = model.weight.item()
     assert weights == {"exact": 1 + 2**-7, "sharded": 1 + 2**-7}
+
+
+@pytest.mark.parametrize(
+    ("master", "states", "amsgrad"),
+    [
+        ("exact", "bf16", False),
+        ("exact", "fp32", False),
+        ("stochastic", "fp32", False),
+        ("stochastic", "bf16", False),
+        ("kahan", "bf16", True),
+    ],
+)
+def test_stepping_a_chunk_in_blocks_changes_no_bit(
+    master: str, states: str, amsgrad: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks (the cache's grouping of a chunk) against the whole chunk at once: the same
+    weights, masters and states, random draws included (a chunk that draws for two lists of
+    tensors stays whole)."""
+
+    def make(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2, amsgrad=amsgrad, foreach=True)
+
+    precision = WeightPrecision(master=master, states=states)  # type: ignore[arg-type]
+    runs = []
+    for block in (1 << 30, 20):  # one block per chunk; then about one per tensor
+        monkeypatch.setattr(master_module, "BLOCK_ELEMENTS", block)
+        model, opt, _, _ = _lockstep(make, precision, steps=4)
+        runs.append(_snapshot(model, opt))
+    assert _unchanged(*runs)
 
 
 def test_bf16_states_stay_close_to_fp32_states() -> None:

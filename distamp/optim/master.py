@@ -32,11 +32,16 @@ from distamp.optim.sharding import WeightGather, assign_owners
 from distamp.optim.store import Master, local_tensor, make_master, shaped_like
 from distamp.torch_compat import mark_optimizer_stepped
 
-__all__ = ["ROUNDING_STEP", "MasterWeightOptimizer"]
+__all__ = ["BLOCK_ELEMENTS", "ROUNDING_STEP", "MasterWeightOptimizer"]
 
 _SLOW_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
 """Moments whose per-step change can fall below half a bf16 step (``1 - beta2``): rounded
 stochastically when kept in bf16; the others (``exp_avg``, SGD's buffer) to nearest."""
+
+BLOCK_ELEMENTS = 1 << 19
+"""A chunk is updated in blocks of about this many elements (2 MiB per fp32 tensor): on a
+2-core CPU (2 MiB of L2 per core) a 21.5M-parameter AdamW step measured 1.2-1.3x torch's with
+blocks of 2^19, 1.7x with the whole 2^22-element chunk at once."""
 
 ROUNDING_STEP = "rounding_step"
 """The parameter-group entry counting the steps that drew stochastic rounding's numbers."""
@@ -166,7 +171,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 group[ROUNDING_STEP] = count
             try:
                 for c, chunk in enumerate(self._chunks(group)):
-                    self._step_chunk(group, chunk, grad_scale, (g, c, count))
+                    # One stream for the chunk, seeded once: its tensors' draws follow one
+                    # another, block after block.
+                    device = chunk[0].weight.device
+                    draws = self._generator(device, (g, c, count)) if self._rounds else None
+                    for block in self._blocks(group, chunk):
+                        self._step_block(group, block, grad_scale, draws)
             finally:
                 self._scratch.clear()  # nothing of the step's temporaries outlives it
         if self.gather is not None:
@@ -190,12 +200,38 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if chunk:
             yield chunk
 
-    def _step_chunk(
+    def _blocks(self, group: dict[str, Any], chunk: list[Master]) -> Iterator[list[Master]]:
+        """``chunk`` in runs of about :data:`BLOCK_ELEMENTS` elements, stepped one after the
+        other so that a block's masters, gradients and moments stay in the cache through the
+        update's passes (torch's foreach update makes each pass over the whole list). The
+        update is elementwise, so the grouping changes no bit; and a chunk's draws keep their
+        order where a chunk draws for one list of tensors only (its second moments, or its
+        weights); where it draws for more (stochastic weights and bf16 moments, or AMSGrad's
+        two bf16 second moments), the chunk is one block."""
+        slow = self.precision.states == "bf16" and self.rule.name == "adam"
+        drawing = int(self.precision.master == "stochastic") + sum(
+            slow and name in _SLOW_MOMENTS for name in self.rule.moment_names(group)
+        )
+        if drawing > 1:
+            yield chunk
+            return
+        block: list[Master] = []
+        size = 0
+        for m in chunk:
+            block.append(m)
+            size += m.weight.numel()
+            if size >= BLOCK_ELEMENTS:
+                yield block
+                block, size = [], 0
+        if block:
+            yield block
+
+    def _step_block(
         self,
         group: dict[str, Any],
         chunk: list[Master],
         grad_scale: torch.Tensor | None,
-        stream: tuple[int, int, int],
+        draws: Draws | None,
     ) -> None:
         # Every fp32 temporary is a view of the step's reused buffers (:mod:`.scratch`).
         device = chunk[0].weight.device
@@ -209,8 +245,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         grads = self._widened("grad", raw, device, copy=grad_scale is not None)
         if grad_scale is not None:
             torch._foreach_div_(grads, grad_scale.to(device))
-        # One stream for the chunk, seeded once: every tensor's draws follow one another.
-        draws = self._generator(device, stream) if self._rounds else None
         names = self.rule.moment_names(group)
         stored = {name: [self.state[m.param][name] for m in chunk] for name in names}
         work: dict[str, list[Any]] = {
