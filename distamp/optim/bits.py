@@ -20,8 +20,8 @@ Every operation here is integer arithmetic on bit patterns, exact whatever its f
 optimizer's step calls the in-place forms (:func:`join_remainder` with ``out``,
 :func:`split_remainder_`, :func:`round_nearest_bf16_`, :func:`round_stochastic_`): they write
 into buffers the step reuses from chunk to chunk and into the weight and remainder themselves,
-three passes each with no temporary, where the returning forms allocate a tensor per pass (on
-the CPU each fresh allocation costs as much as the pass again, in page faults). A
+with no temporary (a join is two passes, a split four), where a tensor allocated per pass (as
+the old eager formulation did) costs as much again in page faults on the CPU. A
 ``torch.compile``'d kernel doing each in one pass measured no faster than these in-place passes
 on the CPU (torch 2.13) and costs 15 to 20 s at its first call, so there is none.
 """
