@@ -157,6 +157,11 @@ def test_the_in_place_split_and_join_are_the_plain_bit_arithmetic() -> None:
     weight, remainder = split_remainder(x)
     assert torch.equal(_bits(weight), high) and torch.equal(remainder, low)
     assert torch.equal(_bits(round_nearest_bf16(x)), high)
+    # Outputs of any strides (a transposed parameter's weight and remainder).
+    weight = torch.empty(x.shape[::-1], dtype=torch.bfloat16).t()
+    remainder = torch.empty(x.shape[::-1], dtype=torch.int16).t()
+    split_remainder_(x, weight, remainder)
+    assert torch.equal(_bits(weight), high) and torch.equal(remainder, low)
     # The join: into a reused buffer (a view of a larger one) and into a new tensor.
     arena = torch.full((x.numel() + 11,), 9.0)
     out = arena[: x.numel()].view(x.shape)

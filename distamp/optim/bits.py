@@ -71,7 +71,7 @@ def _nearest_(bits: torch.Tensor, into: torch.Tensor, weight: torch.Tensor) -> N
     ``bits`` itself). The sign is the top bit, so adding half a step to the bit pattern rounds
     the magnitude, ties away from zero."""
     torch.add(bits, _HALF, out=into).bitwise_right_shift_(16)
-    weight.view(torch.int16).view(bits.shape).copy_(into)  # the wrapping int32 -> int16 cast
+    weight.view(torch.int16).copy_(into.view(weight.shape))  # the wrapping int32 -> int16 cast
 
 
 def split_remainder_(
@@ -81,14 +81,14 @@ def split_remainder_(
     work: torch.Tensor | None = None,
 ) -> None:
     """:func:`split_remainder` written into ``weight`` (bf16) and ``remainder`` (int16), both
-    shaped like ``master`` and contiguous. ``work``: a 4-byte buffer of ``master``'s size the
-    split may overwrite (``master`` itself when its value is no longer needed); ``None``:
-    one is allocated."""
+    shaped like ``master`` (any strides; ``master`` contiguous). ``work``: a 4-byte buffer of
+    ``master``'s size the split may overwrite (``master`` itself when its value is no longer
+    needed); ``None``: one is allocated."""
     bits = _bits(master)
     # The low 16 bits of ``bits`` read as an int16 (the wrapping cast) are the remainder: it is
     # ``bits - (high << 16)``, which lies in [-32768, 32767]. Written before ``work`` (which
     # may be ``master``) is overwritten.
-    remainder.view(bits.shape).copy_(bits)
+    remainder.copy_(bits.view(remainder.shape))
     _nearest_(bits, _work(bits, work), weight)
 
 
@@ -162,7 +162,7 @@ def round_stochastic_(
         # One 32-bit draw per element, in order: the stream round_stochastic draws.
         noise = _work(bits, work).random_(0, 1 << 16, generator=generator)
     noise.add_(bits).bitwise_right_shift_(16)
-    out.view(torch.int16).view(bits.shape).copy_(noise)
+    out.view(torch.int16).copy_(noise.view(out.shape))
 
 
 def round_stochastic(master: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -127,21 +127,6 @@ class Master:
         w = self.weight
         if self.kind == "fp32":
             return  # stepped in place
-        if not w.is_contiguous():  # the in-place forms write the weight's bits through a view
-            packed = w.contiguous()
-            self._store_into(packed, master, generator, work, spent)
-            w.copy_(packed)
-            return
-        self._store_into(w, master, generator, work, spent)
-
-    def _store_into(
-        self,
-        w: torch.Tensor,
-        master: torch.Tensor,
-        generator: Draws | None,
-        work: torch.Tensor | None,
-        spent: bool,
-    ) -> None:
         if self.kind == "remainder":
             assert self.low is not None
             split_remainder_(master, w, self.low, master if spent else work)
