@@ -22,8 +22,18 @@ from torch import nn
 
 import distamp
 from distamp.optim import MasterWeightOptimizer, WeightPrecision, master_weights
-from distamp.optim.bits import join_remainder, round_stochastic, split_remainder
+from distamp.optim import master as master_module
+from distamp.optim.bits import (
+    join_remainder,
+    round_nearest_bf16,
+    round_nearest_bf16_,
+    round_stochastic,
+    round_stochastic_,
+    split_remainder,
+    split_remainder_,
+)
 from distamp.optim.config import bytes_per_parameter
+from distamp.optim.draws import Draws
 from distamp.precision.policy import DEFAULT_FP32_MODULES
 
 INF, NAN = float("inf"), float("nan")
@@ -104,6 +114,120 @@ def test_split_and_join_restore_every_bit() -> None:
     back = join_remainder(weight, remainder)
     mismatch = (_bits(back) != _bits(x)).nonzero()
     assert mismatch.numel() == 0, f"first mismatch at {mismatch[0].item()}: {x[mismatch[0]]}"
+
+
+def _plain_split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split as plain eager bit arithmetic, one new tensor per pass: the reference."""
+    bits = master.view(torch.int32)
+    high = torch.bitwise_right_shift(bits + 0x8000, 16).to(torch.int16)
+    low = (bits - torch.bitwise_left_shift(high.to(torch.int32), 16)).to(torch.int16)
+    return high, low
+
+
+def _plain_join(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    joined = torch.bitwise_left_shift(high.to(torch.int32), 16) + low.to(torch.int32)
+    return joined.view(torch.float32)
+
+
+def _every_pattern(n: int = 200_000) -> torch.Tensor:
+    """The awkward finite values, then random bit patterns of every kind (infinities and NaNs
+    too: the arithmetic is on the bits, whatever they mean)."""
+    gen = torch.Generator().manual_seed(7)
+    anything = torch.randint(-(2**31), 2**31, (n,), dtype=torch.int64, generator=gen)
+    x = torch.cat([_awkward_fp32(), anything.to(torch.int32).view(torch.float32)])
+    return x[: x.numel() // 7 * 7]
+
+
+def test_the_in_place_split_and_join_are_the_plain_bit_arithmetic() -> None:
+    x = _every_pattern().reshape(-1, 7)  # shaped, as a parameter is
+    high, low = _plain_split(x)
+    assert not bool((low.to(torch.int32) - (_bits(x) & 0xFFFF)).remainder(65536).any())
+    for work in ("none", "separate", "master"):
+        master = x.clone()
+        weight = torch.full_like(x, 3.0, dtype=torch.bfloat16)
+        remainder = torch.full_like(x, 5, dtype=torch.int16)
+        buffer = {"none": None, "separate": torch.empty(x.numel()), "master": master}[work]
+        split_remainder_(master, weight, remainder, buffer)
+        assert torch.equal(_bits(weight), high) and torch.equal(remainder, low), work
+        if work != "master":
+            assert torch.equal(_bits(master), _bits(x)), work  # left as it was
+        nearest = torch.zeros_like(weight)
+        round_nearest_bf16_(x, nearest, None if work == "master" else buffer)
+        assert torch.equal(_bits(nearest), high), work
+    weight, remainder = split_remainder(x)
+    assert torch.equal(_bits(weight), high) and torch.equal(remainder, low)
+    assert torch.equal(_bits(round_nearest_bf16(x)), high)
+    # Outputs of any strides (a transposed parameter's weight and remainder).
+    weight = torch.empty(x.shape[::-1], dtype=torch.bfloat16).t()
+    remainder = torch.empty(x.shape[::-1], dtype=torch.int16).t()
+    split_remainder_(x, weight, remainder)
+    assert torch.equal(_bits(weight), high) and torch.equal(remainder, low)
+    # The join: into a reused buffer (a view of a larger one) and into a new tensor.
+    arena = torch.full((x.numel() + 11,), 9.0)
+    out = arena[: x.numel()].view(x.shape)
+    joined = join_remainder(high.view(torch.bfloat16), low, out)
+    assert joined.data_ptr() == out.data_ptr()
+    assert torch.equal(_bits(joined), _bits(_plain_join(high, low)))
+    assert torch.equal(_bits(joined), _bits(x))  # and the round trip is the identity
+    assert torch.equal(_bits(join_remainder(high.view(torch.bfloat16), low)), _bits(x))
+    assert bool((arena[x.numel() :] == 9.0).all())  # nothing written past ``out``
+
+
+def test_widening_a_bf16_is_the_shift_of_its_bits_for_every_pattern() -> None:
+    """The join's first pass: torch's bf16-to-fp32 copy puts the 16 bits on top of 32, for
+    all 65,536 patterns (subnormals and NaN payloads included), even flushing denormals."""
+    bits16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    shifted = torch.bitwise_left_shift(bits16.to(torch.int32), 16)
+    flush = torch.set_flush_denormal(False)  # whether this CPU can flush them at all
+    try:
+        for mode in (False, True):
+            torch.set_flush_denormal(mode)
+            out = torch.empty(bits16.shape).copy_(bits16.view(torch.bfloat16))
+            assert torch.equal(out.view(torch.int32), shifted), mode
+    finally:
+        torch.set_flush_denormal(False)
+    assert isinstance(flush, bool)
+
+
+def test_the_in_place_stochastic_rounding_draws_the_same_stream() -> None:
+    """Resumes and ranks depend on it: the numbers round_stochastic drew (torch.randint) are
+    the ones round_stochastic_ draws, call after call from one generator."""
+    x = _every_pattern().reshape(-1, 7)
+    x = torch.where(torch.isfinite(x), x, 1.0)
+    plain, fused = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    work = torch.empty(x.numel())
+    for _ in range(2):
+        expected = round_stochastic(x, plain)
+        out = torch.empty_like(x, dtype=torch.bfloat16)
+        round_stochastic_(x, out, fused, work)
+        assert torch.equal(_bits(out), _bits(expected))
+    assert torch.equal(plain.get_state(), fused.get_state())
+    with pytest.raises(ValueError, match="cannot be the master"):
+        round_stochastic_(x, out, fused, x)
+
+
+@pytest.mark.parametrize("source", ["numpy", "torch"])
+def test_the_chunk_stream_draws_torch_randint_numbers(source: str) -> None:
+    """Draws (numpy's mt19937 on the CPU where it is torch's, else torch's generator): the
+    numbers torch.randint(0, 65536) draws after the same seed, call after call, and the same
+    roundings."""
+    for seed in (3, (1 << 40) + 5, (1 << 62) - 1):
+        draws = Draws(torch.Generator(), seed)
+        if source == "torch":
+            draws._numpy = None
+        else:
+            assert draws._numpy is not None  # numpy is a dependency, and its stream is torch's
+        gen = torch.Generator().manual_seed(seed)
+        for shape in (torch.Size([5, 7]), torch.Size([40_000]), torch.Size([1])):
+            expected = torch.randint(0, 1 << 16, shape, dtype=torch.int32, generator=gen)
+            work = torch.empty(shape.numel(), dtype=torch.int32)
+            assert torch.equal(draws.int16_range(shape, work), expected), (seed, shape)
+    x = _awkward_fp32().reshape(-1, 4)
+    draws = Draws(torch.Generator(), 11)
+    out = torch.empty_like(x, dtype=torch.bfloat16)
+    round_stochastic_(x, out, draws)
+    expected = round_stochastic(x, torch.Generator().manual_seed(11))
+    assert torch.equal(_bits(out), _bits(expected))
 
 
 def test_the_weight_is_within_half_a_bf16_step() -> None:
@@ -246,6 +370,35 @@ def test_sharded_master_rounds_its_weights_as_the_exact_one() -> None:
         assert _masters(opt)[0].item() == 1 + 2**-8  # a tie
         weights[master] = model.weight.item()
     assert weights == {"exact": 1 + 2**-7, "sharded": 1 + 2**-7}
+
+
+@pytest.mark.parametrize(
+    ("master", "states", "amsgrad"),
+    [
+        ("exact", "bf16", False),
+        ("exact", "fp32", False),
+        ("stochastic", "fp32", False),
+        ("stochastic", "bf16", False),
+        ("kahan", "bf16", True),
+    ],
+)
+def test_stepping_a_chunk_in_blocks_changes_no_bit(
+    master: str, states: str, amsgrad: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks (the cache's grouping of a chunk) against the whole chunk at once: the same
+    weights, masters and states, random draws included (a chunk that draws for two lists of
+    tensors stays whole)."""
+
+    def make(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2, amsgrad=amsgrad, foreach=True)
+
+    precision = WeightPrecision(master=master, states=states)  # type: ignore[arg-type]
+    runs = []
+    for block in (1 << 30, 20):  # one block per chunk; then about one per tensor
+        monkeypatch.setattr(master_module, "BLOCK_ELEMENTS", block)
+        model, opt, _, _ = _lockstep(make, precision, steps=4)
+        runs.append(_snapshot(model, opt))
+    assert _unchanged(*runs)
 
 
 def test_bf16_states_stay_close_to_fp32_states() -> None:

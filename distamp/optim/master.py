@@ -23,18 +23,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from distamp.optim.bits import round_stochastic
+from distamp.optim.bits import round_stochastic_
 from distamp.optim.config import WeightPrecision
+from distamp.optim.draws import Draws
 from distamp.optim.rules import Rule, rule_for
+from distamp.optim.scratch import Scratch
 from distamp.optim.sharding import WeightGather, assign_owners
 from distamp.optim.store import Master, local_tensor, make_master, shaped_like
 from distamp.torch_compat import mark_optimizer_stepped
 
-__all__ = ["ROUNDING_STEP", "MasterWeightOptimizer"]
+__all__ = ["BLOCK_ELEMENTS", "ROUNDING_STEP", "MasterWeightOptimizer"]
 
 _SLOW_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
 """Moments whose per-step change can fall below half a bf16 step (``1 - beta2``): rounded
 stochastically when kept in bf16; the others (``exp_avg``, SGD's buffer) to nearest."""
+
+BLOCK_ELEMENTS = 1 << 19
+"""A chunk is updated in blocks of about this many elements (2 MiB per fp32 tensor): on a
+2-core CPU (2 MiB of L2 per core) a 21.5M-parameter AdamW step measured 1.2-1.3x torch's with
+blocks of 2^19, 1.7x with the whole 2^22-element chunk at once."""
 
 ROUNDING_STEP = "rounding_step"
 """The parameter-group entry counting the steps that drew stochastic rounding's numbers."""
@@ -89,6 +96,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self.seed = seed
         # One stream per device: torch draws on a device only from a generator of that device.
         self.generators: dict[torch.device, torch.Generator] = {}
+        self._scratch = Scratch()
         params = [p for g in self.param_groups for p in g["params"]]
         self.gather: WeightGather | None = None
         owners = [0] * len(params)
@@ -161,8 +169,16 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             if self._rounds:  # counted in the group: a resumed run draws the same numbers
                 count = int(group.get(ROUNDING_STEP, 0)) + 1
                 group[ROUNDING_STEP] = count
-            for c, chunk in enumerate(self._chunks(group)):
-                self._step_chunk(group, chunk, grad_scale, (g, c, count))
+            try:
+                for c, chunk in enumerate(self._chunks(group)):
+                    # One stream for the chunk, seeded once: its tensors' draws follow one
+                    # another, block after block.
+                    device = chunk[0].weight.device
+                    draws = self._generator(device, (g, c, count)) if self._rounds else None
+                    for block in self._blocks(group, chunk):
+                        self._step_block(group, block, grad_scale, draws)
+            finally:
+                self._scratch.clear()  # nothing of the step's temporaries outlives it
         if self.gather is not None:
             self.gather.gather_()
         return None
@@ -184,32 +200,70 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if chunk:
             yield chunk
 
-    def _step_chunk(
+    def _blocks(self, group: dict[str, Any], chunk: list[Master]) -> Iterator[list[Master]]:
+        """``chunk`` in runs of about :data:`BLOCK_ELEMENTS` elements, stepped one after the
+        other so that a block's masters, gradients and moments stay in the cache through the
+        update's passes (torch's foreach update makes each pass over the whole list). The
+        update is elementwise, so the grouping changes no bit; and a chunk's draws keep their
+        order where a chunk draws for one list of tensors only (its second moments, or its
+        weights); where it draws for more (stochastic weights and bf16 moments, or AMSGrad's
+        two bf16 second moments), the chunk is one block."""
+        slow = self.precision.states == "bf16" and self.rule.name == "adam"
+        drawing = int(self.precision.master == "stochastic") + sum(
+            slow and name in _SLOW_MOMENTS for name in self.rule.moment_names(group)
+        )
+        if drawing > 1:
+            yield chunk
+            return
+        block: list[Master] = []
+        size = 0
+        for m in chunk:
+            block.append(m)
+            size += m.weight.numel()
+            if size >= BLOCK_ELEMENTS:
+                yield block
+                block, size = [], 0
+        if block:
+            yield block
+
+    def _step_block(
         self,
         group: dict[str, Any],
         chunk: list[Master],
         grad_scale: torch.Tensor | None,
-        stream: tuple[int, int, int],
+        draws: Draws | None,
     ) -> None:
-        masters = [m.fp32() for m in chunk]
+        # Every fp32 temporary is a view of the step's reused buffers (:mod:`.scratch`).
+        device = chunk[0].weight.device
+        rebuilt = iter(
+            self._scratch.views("master", [m.weight.shape for m in chunk if m.rebuilds], device)
+        )
+        masters = [m.fp32(next(rebuilt)) if m.rebuilds else m.fp32() for m in chunk]
         raw = [local_tensor(m.param.grad) for m in chunk]  # type: ignore[arg-type]
         # fp32 copies of the 16-bit gradients, divided in place; an fp32 parameter's own
         # gradient is copied only when it must be divided (its .grad stays as it is)
-        copy = grad_scale is not None
-        grads = [g.to(torch.float32, copy=copy or g.dtype != torch.float32) for g in raw]
+        grads = self._widened("grad", raw, device, copy=grad_scale is not None)
         if grad_scale is not None:
-            torch._foreach_div_(grads, grad_scale.to(grads[0].device))
-        # One stream for the chunk, seeded once: every tensor's draws follow one another.
-        draws = self._generator(masters[0].device, stream) if self._rounds else None
+            torch._foreach_div_(grads, grad_scale.to(device))
         names = self.rule.moment_names(group)
         stored = {name: [self.state[m.param][name] for m in chunk] for name in names}
         work: dict[str, list[Any]] = {
-            name: [t if t is None or t.dtype == torch.float32 else t.float() for t in ts]
-            for name, ts in stored.items()
+            name: self._widened(name, ts, device, copy=False) for name, ts in stored.items()
         }
         if self.rule.has_step:
             work["step"] = [self.state[m.param]["step"] for m in chunk]
         self.rule.run(group, masters, grads, work)
+        # What the stochastic roundings draw into, and the nearest roundings of masters that
+        # must survive them compute in: sized to the largest tensor that needs it.
+        needs = [m.weight.numel() for m in chunk if m.needs_work]
+        needs += [
+            t.numel()
+            for name in names
+            if name in _SLOW_MOMENTS
+            for t in stored[name]
+            if t is not None and t.dtype == torch.bfloat16
+        ]
+        spare = self._scratch.flat("work", max(needs), device) if needs else None
         for name in names:
             for m, old, new in zip(chunk, stored[name], work[name], strict=True):
                 if old is None:  # SGD's first step created the buffer (fp32, the gradient)
@@ -218,18 +272,34 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 elif old.dtype == torch.bfloat16 and name in _SLOW_MOMENTS:
                     # rounded stochastically: to nearest, an Adam second moment whose change
                     # per step is below half a bf16 step (beta2=0.999) would never decay
-                    old.copy_(round_stochastic(new, draws))
+                    assert spare is not None
+                    round_stochastic_(new, old, draws, spare[: new.numel()])
                 elif old is not new:  # fp32, or a bf16 first moment (1 - beta1 a step): nearest
                     old.copy_(new)
         for m, master in zip(chunk, masters, strict=True):
-            m.store_(master, draws if m.kind == "stochastic" else None)
+            m.store_(
+                master,
+                draws if m.kind == "stochastic" else None,
+                None if spare is None or not m.needs_work else spare[: master.numel()],
+                spent=m.rebuilds,  # a view of the step's buffer, not needed after its store
+            )
+
+    def _widened(
+        self, slot: str, tensors: list[Any], device: torch.device, *, copy: bool
+    ) -> list[Any]:
+        """``tensors`` in fp32: the 16-bit ones (and with ``copy`` the fp32 ones too) copied
+        into views of ``slot``'s reused buffer (exact: a widening), the others as they are."""
+        moved = [t is not None and (copy or t.dtype != torch.float32) for t in tensors]
+        shapes = [t.shape for t, m in zip(tensors, moved, strict=True) if m]
+        views = iter(self._scratch.views(slot, shapes, device)) if shapes else iter(())
+        return [next(views).copy_(t) if m else t for t, m in zip(tensors, moved, strict=True)]
 
     @property
     def _rounds(self) -> bool:
         """Whether a step draws random numbers (stochastic weights, or bf16 moments)."""
         return self.precision.master == "stochastic" or self.precision.states == "bf16"
 
-    def _generator(self, device: torch.device, stream: tuple[int, int, int]) -> torch.Generator:
+    def _generator(self, device: torch.device, stream: tuple[int, int, int]) -> Draws:
         """The stochastic rounding's random stream on ``device`` for one chunk of one step:
         seeded from ``(seed, group, chunk, step)``, so every rank draws alike and a resumed
         run draws what the uninterrupted one drew (the step count rides in the group)."""
@@ -238,7 +308,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             gen = self.generators[device] = torch.Generator(device)
         group, chunk, step = stream
         key = ((self.seed * 1_000_003 + step) * 1_009 + group) * 100_003 + chunk
-        return gen.manual_seed(key % (1 << 62))
+        return Draws(gen, key % (1 << 62))
 
     # ------------------------------------------------------------------ what others read
     def master_tensors(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:

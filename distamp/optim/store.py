@@ -17,8 +17,16 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from distamp.optim.bits import join_remainder, round_nearest_bf16, round_stochastic, split_remainder
+from distamp.optim.bits import (
+    join_remainder,
+    round_nearest_bf16,
+    round_nearest_bf16_,
+    round_stochastic_,
+    split_remainder,
+    split_remainder_,
+)
 from distamp.optim.config import WeightPrecision
+from distamp.optim.draws import Draws
 
 __all__ = ["Master", "cast_parameters_", "local_tensor", "make_master", "shaped_like"]
 
@@ -67,9 +75,24 @@ class Master:
     def weight(self) -> torch.Tensor:
         return local_tensor(self.param.detach())
 
-    def fp32(self) -> torch.Tensor:
-        """The fp32 master: the parameter or the copy itself (updated in place), or a new
-        tensor rebuilt from the weight."""
+    @property
+    def rebuilds(self) -> bool:
+        """Whether :meth:`fp32` builds a new value (rather than returning a tensor of its own
+        that the step updates in place): it then takes a buffer to build it in."""
+        return self.kind in ("remainder", "kahan", "stochastic")
+
+    @property
+    def needs_work(self) -> bool:
+        """Whether :meth:`store_` wants a ``work`` buffer (its rounding cannot overwrite the
+        master: a copy that lives on, a random draw, a Kahan compensation still to take)."""
+        if self.kind == "copy":
+            return self.weight.dtype == torch.bfloat16
+        return self.kind in ("stochastic", "kahan")
+
+    def fp32(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 master: the parameter or the copy itself (updated in place), or a value
+        rebuilt from the weight, in ``out`` (fp32, contiguous, the weight's size: the step's
+        reused buffer) or a new tensor."""
         w = self.weight
         if self.kind == "fp32":
             return w
@@ -78,37 +101,54 @@ class Master:
             return self.low
         if self.kind == "remainder":
             assert self.low is not None
-            return join_remainder(w, self.low)
+            return join_remainder(w, self.low, out)
+        if out is None:
+            out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+        out = out.view(w.shape).copy_(w)  # exact: every bf16 is an fp32
         if self.kind == "kahan":
             assert self.low is not None
-            return w.float() + self.low.float()
-        return w.float()
+            out.add_(self.low)  # in fp32, as w.float() + low.float()
+        return out
 
-    def store_(self, master: torch.Tensor, generator: torch.Generator | None) -> None:
-        """Write the updated fp32 ``master`` back as weight (and remainder or compensation)."""
+    def store_(
+        self,
+        master: torch.Tensor,
+        generator: Draws | None,
+        work: torch.Tensor | None = None,
+        *,
+        spent: bool = False,
+    ) -> None:
+        """Write the updated fp32 ``master`` back as weight (and remainder or compensation).
+
+        ``work``: a 4-byte buffer of the weight's size the store may overwrite (``None``: one
+        is allocated where needed); ``spent``: ``master`` is a temporary (:meth:`fp32`'s
+        ``out``) the store may overwrite too, which spares the remainder's and the Kahan
+        store a pass. The bits are the same either way."""
         w = self.weight
         if self.kind == "fp32":
             return  # stepped in place
         if self.kind == "remainder":
             assert self.low is not None
-            high, remainder = split_remainder(master)
-            w.copy_(high)
-            self.low.copy_(remainder)
+            split_remainder_(master, w, self.low, master if spent else work)
         elif self.kind == "copy":
             # The copy was stepped in place; the weight is its rounding, a bf16 one rounded as
             # an exact master's is (ties away from zero), so a sharded run's weights are the
             # exact run's bit for bit.
-            w.copy_(_rounded(master, w.dtype))
+            if w.dtype == torch.bfloat16:
+                round_nearest_bf16_(master, w, work)
+            else:
+                w.copy_(master)
         elif self.kind == "stochastic":
-            w.copy_(round_stochastic(master, generator))
+            round_stochastic_(master, w, generator, work)
         elif self.kind == "kahan":
             assert self.low is not None
-            high = round_nearest_bf16(master)
-            self.low.copy_(master - high.float())
-            w.copy_(high)
+            round_nearest_bf16_(master, w, work)
+            # What the rounding lost, in fp32 (exact: w is within a bf16 step of master)
+            self.low.copy_(master.sub_(w) if spent else master - w.float())
 
     def load_(self, master: torch.Tensor) -> None:
         """Take ``master`` (fp32, this rank's shape) as the exact truth."""
+        master = master.contiguous()
         w = self.weight
         if self.kind == "fp32":
             w.copy_(master)
