@@ -347,15 +347,10 @@ class DistAMP(EnginePersistence, RunLoop):
         self._model, self._optimizer, self.scheduler = wrapped, optimizer, scheduler
         self.ownership.arm(optimizer, given, scheduler)
         traffic = grad_traffic(wrapped, self.strategy, self.comm_hook_state, ft is not None)
-        self.metrics = Metrics(
-            self.device,
-            traffic,
-            # float8 runs aside: torchao's weight wrappers are counted by no storage of theirs
-            memory=None
-            if self.fp8 is not None
-            else lambda: bytes_held(wrapped.parameters(), optimizer),
-            weights="fp32" if cfg.weights is None else cfg.weights.short(),
-        )
+        weights = "fp32" if cfg.weights is None else cfg.weights.short()
+        # float8 runs aside: torchao's weight wrappers are counted by no storage of theirs
+        memory = None if self.fp8 else lambda: bytes_held(wrapped.parameters(), optimizer)
+        self.metrics = Metrics(self.device, traffic, memory=memory, weights=weights)
         self.quorum = None if ft is None else QuorumSchedule(ft)
         return wrapped, optimizer
 
