@@ -135,6 +135,34 @@ def test_tracer_names_first_module_with_a_nonfinite_output() -> None:
     assert len(model._forward_hooks) == 0  # the hooks are gone after the block
 
 
+def test_tracer_compiles_into_the_graph_once() -> None:
+    """The tracer's hooks are tensor updates only: a compiled model traces them into its graph
+    (no graph break per module) that later steps reuse (no recompilation per step), and it
+    still names the first module whose output went non-finite, in every compiled step."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    model = Net()
+    model.block[1] = nn.Identity()
+    model.block.insert(1, Overflowing())
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    seen, first = [], 0
+    with trace_nonfinite(model) as tracer:
+        for _ in range(4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                compiled(torch.randn(4, 8)).float().sum()
+            seen.append(tracer.first_nonfinite())
+            tracer.commit(torch.tensor(True))
+            assert tracer.first_nonfinite() is None  # the commit cleared the record
+            first = first or counter.frame_count
+    assert seen == ["block.1"] * 4
+    # the model's graph, and the root module's own hook (run after the compiled forward)
+    assert first <= 2, f"{first} graphs: a graph break per module"
+    assert counter.frame_count == first, "recompiled at a later step"
+    torch._dynamo.reset()
+
+
 def test_scale_health_warns_once_per_episode() -> None:
     health = ScaleHealth(consecutive=3)
     assert health.check(skipped_in_a_row=2, scale=1024.0, report=None) is None

@@ -195,13 +195,18 @@ def _largest_norms(
 class NonFiniteTracer:
     """Forward hooks that find the first module whose output is not finite, on device.
 
-    Each hook costs one reduction kernel and one tiny copy: the fp32 sum of its module's output
-    (non-finite exactly when an element is, short of an fp32 overflow of the sum itself) goes into
-    a preallocated slot, in the order modules *finish* — an inner module that produced the first
-    inf finishes before the parents that merely passed it on. The slots are only examined once per
-    iteration, at the scaler's ``update()`` (:meth:`commit`, a few kernels, no host sync) or on
-    request. Attached to a scaler (``scaler.attach_tracer``), the record is kept for a skipped
-    step and cleared after a good one, like the gradient flags.
+    Each hook costs one reduction and two tiny in-place updates: the fp32 sum of its module's
+    output (non-finite exactly when an element is, short of an fp32 overflow of the sum itself)
+    decides whether the module's slot takes the current value of a clock that every hook call
+    advances, so the slots hold, per module, when its output first went non-finite, in the order
+    modules *finish*: an inner module that produced the first inf finishes before the parents
+    that merely passed it on. The earliest slot is only examined once per iteration, at the
+    scaler's ``update()`` (:meth:`commit`, a few kernels, no host sync) or on request. Attached
+    to a scaler (``scaler.attach_tracer``), the record is kept for a skipped step and cleared
+    after a good one, like the gradient flags.
+
+    Tensors only, no Python state per call: a compiled block traces the hooks into its graph
+    (no graph break per module, no recompilation per step), each module's slot an index tensor.
     """
 
     _NONE = 2**62
@@ -209,54 +214,46 @@ class NonFiniteTracer:
     def __init__(self, model: nn.Module) -> None:
         modules = list(named_model_modules(model))  # model names: the same under any wrapper
         self.names = [name or "<root>" for name, _ in modules]
-        self._sums: torch.Tensor | None = None  # one slot per finished module output
-        self._order: list[int] = []  # module index of each slot, in completion order
+        first = next(iter(model.parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
+        # per module: the clock value at which its output first went non-finite (or _NONE)
+        self._when = torch.full((len(modules),), self._NONE, dtype=torch.int64, device=device)
+        self._clock = torch.zeros(1, dtype=torch.int64, device=device)
+        self._slots = [torch.tensor([i], device=device) for i in range(len(modules))]
         self._loss_bad: torch.Tensor | None = None
         self._kept_first: torch.Tensor | None = None
         self._kept_loss: torch.Tensor | None = None
-        self._index_table: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._handles = [
             module.register_forward_hook(self._hook(index))
             for index, (_, module) in enumerate(modules)
         ]
 
     def _hook(self, index: int) -> Any:
+        slot = self._slots[index]
+
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             if in_recomputation():  # activation checkpointing: this forward was recorded
                 return
             for t in _flatten(output):
                 if t.is_floating_point() and t.numel():
-                    self._record(index, torch.sum(t.detach(), dtype=torch.float32))
+                    self._record(slot, torch.sum(t.detach(), dtype=torch.float32))
 
-        # Eager under torch.compile: the record grows a Python list per call, which traced
-        # would be a guard on its length (a recompilation per call); a graph break per module
-        # is the price of tracing a compiled model.
-        return torch.compiler.disable(hook)
+        return hook
 
-    def _record(self, index: int, total: torch.Tensor) -> None:
-        slot = len(self._order)
-        if self._sums is None or slot >= self._sums.numel():
-            grown = torch.zeros(max(64, 2 * slot), dtype=torch.float32, device=total.device)
-            if self._sums is not None:
-                grown[:slot].copy_(self._sums[:slot])
-            self._sums = grown
-        self._sums[slot].copy_(total)
-        self._order.append(index)
+    def _record(self, slot: torch.Tensor, total: torch.Tensor) -> None:
+        bad = ~torch.isfinite(total.to(self._when.device)).reshape(1)
+        when = torch.minimum(
+            self._when.index_select(0, slot), torch.where(bad, self._clock, self._NONE)
+        )
+        self._when.index_copy_(0, slot, when)
+        self._clock.add_(1)
 
-    def _first(self) -> torch.Tensor | None:
-        """On device: the module index of the first non-finite slot, or ``_NONE``."""
-        if self._sums is None or not self._order:
-            return None
-        n = len(self._order)
-        order = tuple(self._order)
-        if self._index_table is None or self._index_table[0] != order:
-            table = torch.tensor((*order, self._NONE), dtype=torch.int64)
-            if self._sums.device.type == "cuda":
-                table = table.pin_memory().to(self._sums.device, non_blocking=True)
-            self._index_table = (order, table.to(self._sums.device))
-        bad = ~torch.isfinite(self._sums[:n])
-        first_slot = torch.where(bad.any(), bad.to(torch.int8).argmax(), n)
-        return self._index_table[1][first_slot]
+    def _first(self) -> torch.Tensor:
+        """On device: the module index of the first non-finite output, or ``_NONE``."""
+        if not self.names:
+            return torch.full((), self._NONE, dtype=torch.int64, device=self._when.device)
+        earliest = self._when.min()
+        return torch.where(earliest < self._NONE, self._when.argmin(), self._NONE)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Remember whether ``loss`` (before scaling) is non-finite; no host sync."""
@@ -266,12 +263,12 @@ class NonFiniteTracer:
     def commit(self, found: torch.Tensor) -> None:
         """At the scaler's ``update()``: keep this iteration's record if it skipped, then reset."""
         first = self._first()
-        if first is not None:
-            if self._kept_first is None:
-                self._kept_first = torch.full_like(first, self._NONE)
-            flag = found.to(first.device)
-            self._kept_first.copy_(torch.where(flag, first, self._kept_first))
-        self._order = []
+        if self._kept_first is None:
+            self._kept_first = torch.full_like(first, self._NONE)
+        flag = found.to(first.device)
+        self._kept_first.copy_(torch.where(flag, first, self._kept_first))
+        self._when.fill_(self._NONE)
+        self._clock.zero_()
         if self._loss_bad is not None:
             if self._kept_loss is None:
                 self._kept_loss = torch.zeros_like(self._loss_bad)
