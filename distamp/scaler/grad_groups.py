@@ -98,19 +98,28 @@ class GradPlan:
         return bool(self.exponents)
 
     def groups(
-        self, *, allow_fp16: bool = True, sparse_error: str | None = None, by_factor: bool = False
+        self,
+        *,
+        allow_fp16: bool = True,
+        sparse_error: str | None = None,
+        by_factor: bool = False,
+        masters: bool = True,
     ) -> list[GradGroup]:
         """This step's gradients, grouped. A sparse gradient counts as its values (an fp16 one
         is coalesced in place first, as torch's scaler does), or raises ``ValueError`` with
         ``sparse_error`` when given. ``by_factor``: split further by backward-scale exponent,
         each part's ``factor`` set (for a pass that unscales; a pass over gradients already
-        unscaled must not apply it)."""
-        groups = self._groups(allow_fp16, sparse_error)
+        unscaled must not apply it). ``masters``: refuse 16-bit parameters stepped without a
+        master (the plan's rule); ``False`` only for torch's private hook, whose caller chose
+        with ``allow_fp16``."""
+        groups = self._groups(allow_fp16, sparse_error, self.rule if masters else None)
         if not by_factor or not self.exponents:
             return groups
         return [part for group in groups for part in _split_by_factor(group, self.exponents)]
 
-    def _groups(self, allow_fp16: bool, sparse_error: str | None) -> list[GradGroup]:
+    def _groups(
+        self, allow_fp16: bool, sparse_error: str | None, rule: MasterRule | None
+    ) -> list[GradGroup]:
         params = self.params
         grads = [p.grad for p in params]
         owners = params
@@ -120,16 +129,16 @@ class GradPlan:
         if not present:
             return []
         if not self.plain:
-            if self.rule is not None:
-                self.rule.check(owners, self.owner, params)
+            if rule is not None:
+                rule.check(owners, self.owner, params)
             return _slow_groups(owners, allow_fp16, sparse_error)
         out: list[GradGroup] = []
         # torch's own bucketing for foreach ops (what its GradScaler uses)
         grouped = group_by_device_and_dtype(present)
-        if self.rule is not None:  # before any group is handed out: a refusal changes nothing
+        if rule is not None:  # before any group is handed out: a refusal changes nothing
             for (_device, dtype), (_dense, indices) in grouped.items():
                 if dtype in LOW_DTYPES:  # a 16-bit parameter has a 16-bit gradient
-                    self.rule.check([owners[i] for i in indices], self.owner, params)
+                    rule.check([owners[i] for i in indices], self.owner, params)
         for (device, dtype), (dense, indices) in grouped.items():
             if not allow_fp16 and dtype == torch.float16:
                 raise ValueError(FP16_GRADS)
