@@ -44,6 +44,7 @@ TESTS = {
         "tests/test_adaptive_fp8.py::test_adaptive_fp8_falls_back_to_bf16_and_matches_bf16",
     ],
     "ray": ["tests/test_ray.py"],
+    "trl": ["tests/test_trl.py"],
     "torchft": ["tests/test_torchft.py"],
 }
 # Installed next to the framework: what the tests import besides it.

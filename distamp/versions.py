@@ -105,6 +105,8 @@ WINDOWS: dict[str, Window] = {
         Window(package="lightning", extra="lightning", floor="2.6.4", newest="2.6.6"),
         Window(package="torchao", extra="fp8", floor="0.17.0", newest="0.18.0"),
         Window(package="ray", extra="ray", floor="2.59.0", newest="2.60.0"),
+        # TRL's trainers are Trainer subclasses (with_distamp); checked when one is wrapped.
+        Window(package="trl", extra="trl", floor="1.7.0", newest="1.16.0"),
         Window(package="torchft", extra="torchft", floor="0.2.0", newest="0.2.0"),
         # The export targets (distamp.deploy): "onnx" exports through torch.onnx's dynamo
         # exporter (onnxscript) and checks the file under ONNX Runtime; "pte" lowers to

@@ -50,15 +50,15 @@ def test_fp16_parameters_with_a_scaler_are_explained() -> None:
     scaler = DistributedGradScaler(device="cpu")
     report = audit(model, torch.randn(3, 4).half(), precision="fp16", scaler=scaler)
     assert report.record("0").param_dtypes == ["float16"]
-    (issue,) = [i for i in report.issues if "FP16 gradients" in i]
+    (issue,) = [i for i in report.issues if "stored in float16" in i]
     assert "4 parameter(s)" in issue and "float32" in issue
-    # The problem the report predicts is real: torch's unscale_ refuses these gradients.
+    # The problem the report predicts is real: the scaler refuses to step these parameters.
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler.scale(F.mse_loss(model(torch.randn(3, 4).half()).float(), torch.zeros(3, 2))).backward()
     try:
         scaler.unscale_(opt)
     except ValueError as exc:
-        assert "FP16" in str(exc)
+        assert "16-bit parameter(s) with no master" in str(exc)
     else:
         raise AssertionError("unscale_ accepted fp16 gradients")
 

@@ -80,10 +80,16 @@ def test_a_new_parameter_is_checked_after_add_param_group() -> None:
     assert scaler.get_scale() == 2.0
 
 
+class _KeepsMasters(torch.optim.SGD):
+    """An optimizer that keeps its 16-bit parameters' masters (as MasterWeightOptimizer)."""
+
+    keeps_16bit_masters = True
+
+
 def test_fp16_gradient_is_refused_for_unscale_but_allowed_for_fused_check() -> None:
     p = nn.Parameter(torch.ones(4, dtype=torch.float16))
     p.grad = torch.ones(4, dtype=torch.float16)
-    opt = torch.optim.SGD([p], lr=0.1)
+    opt = _KeepsMasters([p], lr=0.1)  # another optimizer's fp16 parameters are refused
     scaler = DistributedGradScaler("cpu")
     scaler.scale(torch.ones(()))
     with pytest.raises(ValueError, match="FP16 gradients"):

@@ -260,6 +260,9 @@ class Topology:
         self._ddp_cover: dict[tuple[int, ...], bool] = {}  # parameter ids -> all DDP-synced
         self._copies: dict[int, int] = {}
         self.param_names: dict[int, str] = {}
+        # Each registered parameter's dtype when it was registered (at setup): a parameter cast
+        # to 16 bits since is told from one that was 16-bit by the user's choice.
+        self.param_dtypes: dict[int, torch.dtype] = {}
 
     # ------------------------------------------------------------------ agreement
     @property
@@ -285,6 +288,7 @@ class Topology:
         self._ddp_cover.clear()
         self._copies.clear()
         self.param_names.clear()
+        self.param_dtypes.clear()
 
     # ------------------------------------------------------------------ registration
     def register_module(self, module: Any, *, trust_ddp_sync: bool = False) -> None:
@@ -306,6 +310,7 @@ class Topology:
         inner = module.module if isinstance(module, DistributedDataParallel) else module
         for name, p in inner.named_parameters():  # model names: the same under any wrapper
             self.param_names[id(p)] = model_name(name, inner)
+            self.param_dtypes[id(p)] = p.dtype
         self._copies.clear()
         self._ddp_cover.clear()
         if stage_group is not None and is_distributed():

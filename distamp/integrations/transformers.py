@@ -1,7 +1,8 @@
 """Train with the Hugging Face ``Trainer`` (and its subclasses) through distamp.
 
 ``DistAMPTrainer`` is a ``transformers.Trainer``; :func:`with_distamp` makes the same change to
-any ``Trainer`` subclass (TRL's ``SFTTrainer``, a trainer of your own)::
+any ``Trainer`` subclass (TRL's ``GRPOTrainer``, ``DPOTrainer``, ``SFTTrainer``, a trainer of your
+own; RL post-training in fp16: docs/guides/rl.md)::
 
     from distamp.integrations.transformers import DistAMPTrainer, with_distamp
 
@@ -247,8 +248,12 @@ def with_distamp(trainer_class: T) -> T:
     """A subclass of ``trainer_class`` (a ``transformers.Trainer`` subclass) that trains through
     distamp (see the module doc); everything the class does is kept.
 
+    A TRL trainer (``GRPOTrainer``, ``DPOTrainer``, ``SFTTrainer``, a subclass of one) is
+    checked against TRL's window in :mod:`distamp.versions` (see docs/guides/rl.md).
+
     Raises:
         TypeError: ``trainer_class`` is not a ``transformers.Trainer`` subclass.
+        ImportError: a TRL trainer from a TRL release older than the window's floor.
     """
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
         raise TypeError(
@@ -257,6 +262,8 @@ def with_distamp(trainer_class: T) -> T:
         )
     if issubclass(trainer_class, DistAMPTrainerMixin):
         return trainer_class
+    if any(base.__module__.partition(".")[0] == "trl" for base in trainer_class.__mro__):
+        check_version("trl")  # TRL's trainers: its window (refused below the floor)
     name = f"DistAMP{trainer_class.__name__}"
     bases = (DistAMPTrainerMixin, trainer_class)
     made = type(name, bases, {"__module__": trainer_class.__module__})

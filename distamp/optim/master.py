@@ -70,6 +70,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True  # the scaler hands grad_scale and found_inf to step()
+    keeps_16bit_masters = True
+    """A scaler steps its 16-bit parameters: their masters are kept here (a scaler refuses
+    16-bit parameters of any other optimizer: :mod:`distamp.scaler.master_dtypes`)."""
 
     def __init__(
         self,

@@ -257,8 +257,9 @@ def _issues(model: nn.Module, records: list[ModuleRecord], scaled: bool) -> list
         shown = ", ".join(fp16_params[:3]) + (", ..." if len(fp16_params) > 3 else "")
         issues.append(
             f"{len(fp16_params)} parameter(s) are stored in float16 ({shown}) and a loss scaler "
-            "is in use: their gradients are float16 too, so unscale_() fails with 'Attempting "
-            "to unscale FP16 gradients' (and fp16 master weights lose small updates). Fix: keep "
+            "is in use: the scaler refuses to step them ('16-bit parameter(s) with no "
+            "master'): fp16 master weights lose small updates, fp16 gradients cannot be "
+            "unscaled exactly. Fix: keep "
             "parameters in float32 (remove model.half() / .to(torch.float16)) and let autocast "
             "- or FSDP's param_dtype - cast per op."
         )

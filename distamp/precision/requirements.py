@@ -7,9 +7,10 @@ for the engine and every plug-in, checked before anything trains.
   loss is scaled and small gradients flush to zero without a word; a bf16 policy inside an fp16
   trainer scales a loss that never needed it, and the checkpoints say fp16.
 - The parameters stay fp32 master weights (:func:`check_parameter_dtypes`); autocast casts them
-  per op. fp16 parameters (``model.half()``) have fp16 gradients, which the scaler refuses to
-  unscale ("Attempting to unscale FP16 gradients"), at the first step, after a forward and a
-  backward ran; the check-only scaler of bf16/fp32 refuses them alike. bf16 parameters train
+  per op. fp16 parameters (``model.half()``) have fp16 gradients; the scaler refuses to step
+  them (:mod:`distamp.scaler.master_dtypes`), at the first step, after a forward and a backward
+  ran; the check-only scaler of bf16/fp32 refuses them alike, and a parameter cast to 16 bits
+  after setup at any step. bf16 parameters train
   under bf16 (a choice some make), but under fp16 loss scaling they undo what the scaling is
   for: an update smaller than bf16's 8-bit mantissa resolves is lost in the weight itself.
 """

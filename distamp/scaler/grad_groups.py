@@ -15,6 +15,10 @@ reporting steps); a plan then splits each (device, dtype) group by exponent, and
 unscaled with its own factor in the same single pass: still one read per gradient, one kernel
 launch per distinct factor.
 
+The same walk refuses 16-bit parameters stepped without a master
+(:mod:`distamp.scaler.master_dtypes`): the gradients' (device, dtype) groups say where one can
+be, so the check costs nothing while every gradient is fp32.
+
 The plan is keyed by the identity of every parameter, checked at every step, so adding a
 parameter group or swapping a parameter rebuilds it. Gradients themselves are never cached:
 ``zero_grad(set_to_none=True)`` gives new tensors every step, and they are read afresh.
@@ -31,6 +35,7 @@ import torch
 from distamp.agreement.topology import is_dtensor, local_grad
 from distamp.kernels import unscale_check_sumsq_
 from distamp.observe.diagnostics import OverflowRecorder
+from distamp.scaler.master_dtypes import LOW_DTYPES, MasterRule, keeps_masters
 from distamp.torch_compat import group_by_device_and_dtype, sparse_values
 
 __all__ = ["GradGroup", "GradPlan", "GradPlans", "check_groups_"]
@@ -61,11 +66,28 @@ def _split_by_factor(group: GradGroup, exponents: dict[int, int]) -> list[GradGr
 
 
 class GradPlan:
-    """What is fixed about one optimizer's parameters (see module doc)."""
+    """What is fixed about one optimizer's parameters (see module doc).
 
-    def __init__(self, params: list[torch.Tensor], exponents: dict[int, int] | None = None) -> None:
+    Args:
+        params: the optimizer's parameters, in its groups' order.
+        exponents: backward-scale exponents by ``id(param)`` (non-zero ones).
+        rule: the 16-bit parameters refused whenever the gradients are grouped; ``None``:
+            none (the optimizer keeps the masters of 16-bit parameters itself).
+        owner: the optimizer's class name, for the refusal's message.
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        exponents: dict[int, int] | None = None,
+        *,
+        rule: MasterRule | None = None,
+        owner: str = "the optimizer",
+    ) -> None:
         self.params = params
         self.exponents = exponents or {}  # id(param) -> gradient exponent (non-zero ones)
+        self.rule = rule
+        self.owner = owner
         self.key = tuple(map(id, params))
         # DTensor gradients must be turned into their local shards one by one.
         self.plain = not any(is_dtensor(p) for p in params)
@@ -76,19 +98,28 @@ class GradPlan:
         return bool(self.exponents)
 
     def groups(
-        self, *, allow_fp16: bool = True, sparse_error: str | None = None, by_factor: bool = False
+        self,
+        *,
+        allow_fp16: bool = True,
+        sparse_error: str | None = None,
+        by_factor: bool = False,
+        masters: bool = True,
     ) -> list[GradGroup]:
         """This step's gradients, grouped. A sparse gradient counts as its values (an fp16 one
         is coalesced in place first, as torch's scaler does), or raises ``ValueError`` with
         ``sparse_error`` when given. ``by_factor``: split further by backward-scale exponent,
         each part's ``factor`` set (for a pass that unscales; a pass over gradients already
-        unscaled must not apply it)."""
-        groups = self._groups(allow_fp16, sparse_error)
+        unscaled must not apply it). ``masters``: refuse 16-bit parameters stepped without a
+        master (the plan's rule); ``False`` only for torch's private hook, whose caller chose
+        with ``allow_fp16``."""
+        groups = self._groups(allow_fp16, sparse_error, self.rule if masters else None)
         if not by_factor or not self.exponents:
             return groups
         return [part for group in groups for part in _split_by_factor(group, self.exponents)]
 
-    def _groups(self, allow_fp16: bool, sparse_error: str | None) -> list[GradGroup]:
+    def _groups(
+        self, allow_fp16: bool, sparse_error: str | None, rule: MasterRule | None
+    ) -> list[GradGroup]:
         params = self.params
         grads = [p.grad for p in params]
         owners = params
@@ -98,10 +129,17 @@ class GradPlan:
         if not present:
             return []
         if not self.plain:
+            if rule is not None:
+                rule.check(owners, self.owner, params)
             return _slow_groups(owners, allow_fp16, sparse_error)
         out: list[GradGroup] = []
         # torch's own bucketing for foreach ops (what its GradScaler uses)
-        for (device, dtype), (dense, indices) in group_by_device_and_dtype(present).items():
+        grouped = group_by_device_and_dtype(present)
+        if rule is not None:  # before any group is handed out: a refusal changes nothing
+            for (_device, dtype), (_dense, indices) in grouped.items():
+                if dtype in LOW_DTYPES:  # a 16-bit parameter has a 16-bit gradient
+                    rule.check([owners[i] for i in indices], self.owner, params)
+        for (device, dtype), (dense, indices) in grouped.items():
             if not allow_fp16 and dtype == torch.float16:
                 raise ValueError(FP16_GRADS)
             group_owners = [owners[i] for i in indices]
@@ -150,11 +188,18 @@ def _slow_groups(
 
 
 class GradPlans:
-    """One :class:`GradPlan` per optimizer, dropped with the optimizer."""
+    """One :class:`GradPlan` per optimizer, dropped with the optimizer.
 
-    def __init__(self) -> None:
+    Args:
+        rule: the 16-bit parameters refused (:mod:`~distamp.scaler.master_dtypes`) for every
+            optimizer that does not keep masters itself; ``None``: the rule with no registered
+            module, for a scaler that scales.
+    """
+
+    def __init__(self, rule: MasterRule | None = None) -> None:
         self._plans: weakref.WeakKeyDictionary[Any, GradPlan] = weakref.WeakKeyDictionary()
         self._exponents: dict[int, int] = {}
+        self.rule = MasterRule() if rule is None else rule
 
     def for_optimizer(self, optimizer: torch.optim.Optimizer) -> GradPlan:
         """The optimizer's plan, rebuilt when its parameters changed since the last call."""
@@ -163,7 +208,12 @@ class GradPlans:
         if plan is None or plan.key != tuple(map(id, params)):
             mine = {id(p) for p in params}
             exponents = {i: k for i, k in self._exponents.items() if i in mine}
-            plan = self._plans[optimizer] = GradPlan(params, exponents)
+            plan = self._plans[optimizer] = GradPlan(
+                params,
+                exponents,
+                rule=None if keeps_masters(optimizer) else self.rule,
+                owner=type(optimizer).__name__,
+            )
         return plan
 
     def set_exponents(self, exponents: dict[int, int]) -> None:

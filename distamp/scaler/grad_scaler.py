@@ -138,6 +138,7 @@ class DistributedGradScaler(
         # Before torch's __init__, which assigns _per_optimizer_states (kept in here).
         self._steps = StepAgreement(process_group, host_decisions=report_overflow and not sync_free)
         self._steps.settings = self.settings  # compared across ranks at the first collective
+        self._steps.plans.rule.scaling = not check_only  # which 16-bit parameters are refused
         super().__init__(
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
         )

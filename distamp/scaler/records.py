@@ -27,6 +27,7 @@ from distamp.agreement.topology import Topology
 from distamp.cluster.agreement import agree_settings
 from distamp.observe.diagnostics import OverflowRecorder
 from distamp.scaler.grad_groups import GradPlan, GradPlans, check_groups_
+from distamp.scaler.master_dtypes import MasterRule
 from distamp.torch_compat import OptState
 
 __all__ = [
@@ -175,7 +176,9 @@ class StepAgreement:
         self, process_group: reduction.GroupSpec = None, host_decisions: bool = False
     ) -> None:
         self.topology = Topology(process_group)
-        self.plans = GradPlans()
+        self.plans = GradPlans(
+            MasterRule(names=self.topology.param_names, registered=self.topology.param_dtypes)
+        )
         self.records = StepRecords(self)
         self.home: torch.device | None = None
         self.collectives_issued = 0  # how many found_inf collectives were issued

@@ -53,10 +53,15 @@ class TorchProtocol(torch.amp.GradScaler):
     ) -> dict[torch.device, torch.Tensor]:
         """torch's hook: unscale (``inv_scale`` None: only check) the optimizer's gradients in
         one pass per group (see check_groups_); returns the local flags per device.
-        ``allow_fp16`` defaults to True as in ``ShardedGradScaler``, whose callers omit it."""
+        ``allow_fp16`` defaults to True as in ``ShardedGradScaler``, whose callers omit it. As in
+        torch, the caller decides which gradients it takes: the refusal of 16-bit parameters
+        without a master (:mod:`~distamp.scaler.master_dtypes`) belongs to the scaler's own
+        ``unscale_``, ``step`` and clip, which every optimizer step goes through."""
         plan = self._steps.plans.for_optimizer(optimizer)
         with torch.no_grad():
-            groups = plan.groups(allow_fp16=allow_fp16, by_factor=inv_scale is not None)
+            groups = plan.groups(
+                allow_fp16=allow_fp16, by_factor=inv_scale is not None, masters=False
+            )
             return check_groups_(groups, found_inf, inv_scale, self._overflow)
 
     def _check_inf(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
