@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from distamp.model_names import model_name, named_model_modules
+from distamp.observe.fp8_flush import flushed_fraction
 from distamp.torch_compat import in_recomputation
 
 __all__ = ["E4M3_FLUSH", "FORMAT_MAX", "NumericMonitor", "NumericStats"]
@@ -191,9 +192,7 @@ class NumericMonitor:
         if self.modules:
             self._step_amax = torch.zeros(len(self.modules), device=self._device())
             self._window_amax = torch.zeros_like(self._step_amax)
-        # [F] at a reporting step; each layer's slot and the "reporting step" flag as tensors:
-        # a compiled block reads them as inputs, where Python numbers would be guards (a graph
-        # per layer, a recompilation per step)
+        # [F] at a reporting step; slots and the reporting-step flag as tensors (see _slots)
         self._flush = torch.zeros(len(self._fp8), device=self._device())
         self._fp8_slots = [torch.tensor([k], device=self._device()) for k in range(len(self._fp8))]
         self._due_flag = torch.zeros((), device=self._device())
@@ -241,13 +240,7 @@ class NumericMonitor:
             x = x.to_local()  # a DTensor: this rank's part (its own amax; torchao's is global)
         if x is None or type(x).__name__.startswith("Float8"):
             return  # already quantised upstream: what flushed cannot be told any more
-        a = x.detach().abs().float()
-        amax = a.amax()
-        nonzero = (a > 0).sum(dtype=torch.float32)
-        lost = ((a > 0) & (a * (FORMAT_MAX["fp8_e4m3"] / amax) <= E4M3_FLUSH)).sum(
-            dtype=torch.float32
-        )
-        fraction = torch.nan_to_num(lost / nonzero.clamp(min=1.0)).reshape(1)
+        fraction = flushed_fraction(x, FORMAT_MAX["fp8_e4m3"], E4M3_FLUSH).reshape(1)
         if due is not None:
             fraction = fraction * due  # 0 outside a reporting step: the maximum keeps the old
         merged = torch.maximum(self._flush.index_select(0, slot), fraction.to(self._flush.device))
