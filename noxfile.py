@@ -79,7 +79,8 @@ FLOORS_DESELECT = "not spike_on_one_rank and not consecutive_skips"
 MAIN_JOB = ["distamp", "launch", "--nproc-per-node", "2", "launch/train.py", "--steps", "20"]
 SHOW_VERSION = "import importlib.metadata as m; print('{package}', m.version('{package}'))"
 REQUIREMENT = {"ray": "ray[train]"}  # the name to pin when the tests need an extra of it
-ALSO = {"transformers": ["accelerate"]}  # what the tests import next to the framework
+# what the tests import next to the framework; trl's GRPO module imports requests undeclared
+ALSO = {"transformers": ["accelerate"], "trl": ["requests"]}
 
 nox.options.default_venv_backend = "uv"
 
