@@ -173,8 +173,10 @@ def checkpoint_recomputation(frame: Any) -> tuple[Any, str] | None:
 
     Non-reentrant and selective checkpointing: the ``checkpoint`` function's frame holds the
     suspended generator ``gen`` whose ``new_frame`` (a ``_CheckpointFrame``) keeps
-    ``recompute_fn``; reentrant checkpointing: ``CheckpointFunction.forward``'s ``ctx`` keeps
-    ``run_function``. Checked on torch 2.11-2.13.
+    ``recompute_fn`` (torch 2.15: the generator is in ``_checkpoint_impl``, which ``checkpoint``
+    calls); reentrant checkpointing: ``CheckpointFunction.forward``'s ``ctx`` keeps
+    ``run_function``. Checked on torch 2.11-2.15. Reaching the public ``checkpoint`` frame with
+    neither found means a release moved them.
 
     Raises:
         RuntimeError: ``frame`` is torch's checkpoint but the callable is not where it was (a
@@ -183,22 +185,21 @@ def checkpoint_recomputation(frame: Any) -> tuple[Any, str] | None:
     code = frame.f_code
     if code.co_filename != _CHECKPOINT_FILE:
         return None
-    if code.co_name == "checkpoint":
-        gen = frame.f_locals.get("gen")
-        if gen is None:  # reentrant: the forward is CheckpointFunction's, further in
-            return None
+    local = frame.f_locals
+    gen = local.get("gen")  # non-reentrant: in `checkpoint` (2.11-2.13), `_checkpoint_impl` (2.15)
+    if gen is not None:
         held = getattr(getattr(gen, "gi_frame", None), "f_locals", {}).get("new_frame")
         if held is not None and callable(getattr(held, "recompute_fn", None)):
             return held, "recompute_fn"
-    elif code.co_name == "forward" and "run_function" in code.co_varnames:
-        ctx = frame.f_locals.get("ctx")
-        if ctx is not None and callable(getattr(ctx, "run_function", None)):
-            return ctx, "run_function"
     else:
-        return None
+        ctx = local.get("ctx")  # reentrant: CheckpointFunction.forward
+        if code.co_name == "forward" and callable(getattr(ctx, "run_function", None)):
+            return ctx, "run_function"
+        if code.co_name != "checkpoint":
+            return None  # a frame of torch's in between: the public entry is further out
     raise RuntimeError(
         f"torch {torch.__version__}: torch.utils.checkpoint no longer keeps the function it "
-        "recomputes where torch 2.11-2.13 did"
+        "recomputes where torch 2.11-2.15 did"
     )
 
 
