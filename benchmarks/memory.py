@@ -70,6 +70,10 @@ def _setup(dtype: torch.dtype, opt_name: str, path: str, elements: int, tensors:
     else:
         opt = torch.optim.SGD(params, lr=1e-3, foreach=True)
     fp16 = dtype == torch.float16
+    if fp16 and path == "distamp":
+        # 16-bit gradients as the 16-bit weights mode makes them: its optimizer keeps the fp32
+        # masters (distamp refuses to step 16-bit parameters of an optimizer without them)
+        setattr(opt, "keeps_16bit_masters", True)  # noqa: B010
     scaler: Any
     if path == "torch":
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=not fp16)

@@ -16,7 +16,7 @@ unscaled or any weight written. A 16-bit parameter is refused when
 - it was fp32 when its module was registered with the scaler (at setup: the engine and every
   plug-in register the model they prepare): it was cast since, whatever the precision;
 - or it is fp16 (its gradient is fp16, which loss scaling cannot unscale exactly);
-- or it is bf16 while the loss is scaled (fp16 training): the setup checks
+- or it is bf16 in a registered model while the loss is scaled (fp16 training): the setup checks
   (:func:`~distamp.precision.requirements.check_parameter_dtypes`) refuse that too. bf16
   parameters that were bf16 at setup under bf16 training are a choice some make, and are kept.
 
@@ -75,7 +75,9 @@ class MasterRule:
         was = self.registered.get(id(param))
         if was is not None and was not in LOW_DTYPES:
             return True  # cast since setup
-        return dtype == torch.float16 or self.scaling
+        # bf16 under loss scaling: refused for a registered model (setup refuses it too); a
+        # parameter no model registered steps as under torch's scaler, which allows it
+        return dtype == torch.float16 or (self.scaling and was is not None)
 
     def check(
         self, params: Sequence[torch.Tensor], owner: str, every: Sequence[torch.Tensor]
