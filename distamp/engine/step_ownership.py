@@ -61,9 +61,14 @@ class StepOwnership:
             optimizers.append(given)
         if isinstance(optimizer, MasterWeightOptimizer):
             optimizers.append(optimizer.inner)
+        wrapped = getattr(optimizer, "optim", None)  # torchft's OptimizerWrapper
+        if isinstance(wrapped, torch.optim.Optimizer):
+            optimizers.append(wrapped)
         seen: set[int] = set()
         for optimizer in optimizers:
-            if id(optimizer) in seen or not hasattr(optimizer, "register_step_pre_hook"):
+            # an optimizer-like wrapper (torchft's OptimizerWrapper) subclasses Optimizer
+            # without its hook table: the optimizer it wraps, also listed, carries the hook
+            if id(optimizer) in seen or not hasattr(optimizer, "_optimizer_step_pre_hooks"):
                 continue
             seen.add(id(optimizer))
             self.handles.append(optimizer.register_step_pre_hook(self._refuse))
