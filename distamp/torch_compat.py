@@ -54,6 +54,7 @@ __all__ = [
     "is_pipeline_stage",
     "wrapped_attribute",
     "mark_optimizer_stepped",
+    "takes_step_hooks",
     "checkpoint_recomputation",
     "missing_internals",
     "scaled_mm",
@@ -139,6 +140,13 @@ def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer's ``step`` takes ``grad_scale``/``found_inf`` (torch's
     ``fused=True`` optimizers): torch marks them with a private attribute."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def takes_step_hooks(optimizer: Any) -> bool:
+    """Whether ``optimizer`` runs step pre-hooks: torch's ``Optimizer.__init__`` makes the
+    private hook table, which an optimizer-like wrapper that subclasses ``Optimizer`` without
+    calling it (torchft's ``OptimizerWrapper``) lacks (checked on torch 2.11-2.15)."""
+    return hasattr(optimizer, "_optimizer_step_pre_hooks")
 
 
 def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:

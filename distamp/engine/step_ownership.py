@@ -33,7 +33,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from distamp.optim import MasterWeightOptimizer
-from distamp.torch_compat import is_state_materialisation
+from distamp.torch_compat import is_state_materialisation, takes_step_hooks
 
 __all__ = ["StepOwnership"]
 
@@ -68,7 +68,7 @@ class StepOwnership:
         for optimizer in optimizers:
             # an optimizer-like wrapper (torchft's OptimizerWrapper) subclasses Optimizer
             # without its hook table: the optimizer it wraps, also listed, carries the hook
-            if id(optimizer) in seen or not hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            if id(optimizer) in seen or not takes_step_hooks(optimizer):
                 continue
             seen.add(id(optimizer))
             self.handles.append(optimizer.register_step_pre_hook(self._refuse))

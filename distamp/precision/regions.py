@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from distamp.precision.casts import to_fp32
 from distamp.precision.checkpointed import carry_ops
+from distamp.torch_compat import in_recomputation
 
 __all__ = [
     "AUTOCAST_LOW_OPS",
@@ -142,7 +143,7 @@ class Fp32Ops(TorchFunctionMode):
         kinds = autocast_on()
         if not kinds:
             return func(*args, **kwargs)
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1:
+        if not torch.compiler.is_compiling() and not in_recomputation():
             # a forward (not a recomputation): a checkpointed function recomputes inside us
             carry_ops(self, _REGION_CODE)
         if self.cast_inputs:
